@@ -1,0 +1,36 @@
+"""kvscope: an LLM inference server and library whose requests cancel in milliseconds
+and free their KV cache at once, leaving every other request untouched."""
+
+from kvscope.actors.engine import Engine
+from kvscope.actors.handles import Job, Request
+from kvscope.actors.messages import CancelReport, Completion, Delta, RequestInfo
+from kvscope.config import EngineConfig
+from kvscope.errors import (
+    EngineClosed,
+    EngineOverloaded,
+    InvalidRequest,
+    KvscopeError,
+    RequestConflict,
+    UnknownRequest,
+)
+from kvscope.params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CancelReport",
+    "Completion",
+    "Delta",
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "EngineOverloaded",
+    "InvalidRequest",
+    "Job",
+    "KvscopeError",
+    "Request",
+    "RequestConflict",
+    "RequestInfo",
+    "SamplingParams",
+    "UnknownRequest",
+]

@@ -1,0 +1,37 @@
+"""The audit log: one JSON line per ended request, cancelled or not.
+
+Lines are written when the request's KV blocks are released, so every line carries the
+release time. Writes are small, synchronous and flushed at once (one per request, not
+per token), so a reader (billing, a test) sees each line as soon as it exists. The
+records are also kept in memory, bounded, for `Engine.audit_records()`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+from typing import IO, Any
+
+
+class AuditLog:
+    def __init__(self, path: str | Path | None = None, *, keep: int = 10_000) -> None:
+        self.path = Path(path) if path is not None else None
+        self._file: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self.records: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.count = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self.count += 1
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

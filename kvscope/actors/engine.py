@@ -1,0 +1,466 @@
+"""The engine: the root nursery that owns the model, the cache, the step actor and
+every request task, and the public Python API over them.
+
+`Engine.open()` loads the model, opens the root task group and starts the step actor
+in it (`await tg.start`, so nothing is served before the model is ready). Each request
+is a task in that group (or in its parent's group) running `run_request`. Closing the
+engine cancels every live request with reason `shutdown`, aborts the running forward,
+and returns only when every task has ended and every block is back in the pool.
+
+The engine is also the request tasks' `RequestCore`: `open_request` queues a request,
+`close_request` is its synchronous cleanup (leave the scheduler, drop block references,
+publish the end) and `_release` runs when its blocks are actually free (at once, or
+when the running step unpins them), writing the audit line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import attrs
+import torch
+from anyio.abc import TaskGroup
+
+from kvscope.cache.block_pool import BlockPool
+from kvscope.cache.block_table import blocks_needed
+from kvscope.cache.kv_cache import KVCache
+from kvscope.config import EngineConfig
+from kvscope.errors import (
+    EngineClosed,
+    EngineOverloaded,
+    InvalidRequest,
+    RequestConflict,
+    UnknownRequest,
+)
+from kvscope.kernels.device import select_device
+from kvscope.kernels.sampling import make_generator
+from kvscope.models.loader import LoadedModel, load_model
+from kvscope.models.runner import ModelRunner
+from kvscope.params import SamplingParams
+
+from .audit import AuditLog
+from .handles import DeltaStream, Job, Request
+from .messages import CancelReport, Completion, RequestInfo, RequestStatus
+from .registry import Registry, new_request_id
+from .request import RequestState, run_request
+from .scheduler import Scheduler, Sequence
+from .step import StepActor
+
+log = logging.getLogger("kvscope.requests")
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """An open engine. Create it with `async with Engine.open(...) as engine`."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.device = device
+        self.tokenizer = loaded.tokenizer
+        model_config = loaded.config
+        num_blocks = config.num_kv_blocks or math.ceil(config.kv_cache_tokens / config.block_size)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            watermark=config.watermark,
+        )
+        # One sequence must always fit in the pool beside the watermark, or it could
+        # never finish; cap the context to what the pool holds.
+        fits = (num_blocks - self.scheduler.watermark_blocks) * config.block_size
+        if fits <= 0:
+            raise InvalidRequest(f"a pool of {num_blocks} KV blocks leaves no room beside its watermark")
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+            fits,
+        )
+        self.kv_cache = KVCache(
+            num_layers=model_config.num_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            dtype=loaded.model.dtype,
+            device=device,
+        )
+        self.step = StepActor(
+            self.scheduler,
+            ModelRunner(loaded.model, self.kv_cache),
+            self.pool,
+            debug=config.debug,
+            on_released=lambda seq: self._release(seq.owner),
+            on_step=self._after_step,
+        )
+        self.registry = Registry(config.finished_history)
+        self.audit = AuditLog(config.audit_log)
+        self.counts: Counter[str] = Counter()
+        self._rng = random.Random(config.seed)
+        self._tg: TaskGroup | None = None
+        self._accepting = True
+        self._closing = False
+        self._idle = anyio.Event()
+        self._idle.set()
+        #: Called with each request's state once its blocks are released (metrics).
+        self.release_listeners: list[Callable[[RequestState], None]] = []
+        #: Called after each step with (start time, forward seconds, batch size).
+        self.step_listeners: list[Callable[[float, float, int], None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        model: str = "bundled",
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        **config: Any,
+    ) -> AsyncIterator[Engine]:
+        """Load `model` and run an engine for the duration of the block."""
+        engine_config = EngineConfig.from_kwargs(**config)
+        torch_device = select_device(device)
+        if engine_config.model_threads:
+            torch.set_num_threads(engine_config.model_threads)
+        loaded = await anyio.to_thread.run_sync(
+            lambda: load_model(model, device=torch_device, dtype=dtype, seed=engine_config.seed)
+        )
+        engine = cls(loaded, engine_config, torch_device)
+        log.info(
+            "engine open model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            loaded.name, torch_device, loaded.model.dtype, engine.pool.num_blocks,
+            engine_config.block_size, engine.max_model_len,
+        )
+        try:
+            async with anyio.create_task_group() as tg:
+                engine._tg = tg
+                await tg.start(engine.step.run)
+                try:
+                    yield engine
+                finally:
+                    engine._shutdown()
+        finally:
+            engine._closed()
+
+    def _shutdown(self) -> None:
+        self._accepting = False
+        self._closing = True
+        for state in self.registry.live():
+            state.cancel("shutdown", by="engine")
+        self.step.abort.set()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    def _closed(self) -> None:
+        stats = self.pool.stats()
+        self.pool.check_integrity()
+        if stats.in_use:
+            log.error("engine closed with %d KV blocks still in use", stats.in_use)
+        self.audit.close()
+        log.info("engine closed: %s", self.stats())
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking requests and wait up to `timeout` s for the live ones to end."""
+        self._accepting = False
+        with anyio.move_on_after(timeout):
+            await self._idle.wait()
+        return self.registry.num_live == 0
+
+    # -- the public API ------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        parent: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        owner: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Request]:
+        """A request that lives as long as the block: iterate it for `Delta`s; leaving
+        the block early (break, exception, the caller's scope cancelled) cancels it."""
+        state = await self._start(prompt, params, priority, parent, request_id, timeout, owner, sampling)
+        try:
+            yield Request(state)
+        finally:
+            _cancel_tree(state, "scope", None)
+            with anyio.CancelScope(shield=True):
+                await state.task_done.wait()
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
+        """Run a request to its end and return its `Completion`."""
+        async with self.request(prompt, params, **kwargs) as request:
+            return await request.wait()
+
+    async def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        parent: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        owner: str | None = None,
+        **sampling: Any,
+    ) -> Job:
+        """Start a detached request; it runs until it ends or is cancelled by id."""
+        state = await self._start(prompt, params, priority, parent, request_id, timeout, owner, sampling)
+        return Job(state)
+
+    async def cancel(self, request_id: str, reason: str = "user", by: str | None = None) -> CancelReport:
+        """Cancel a request and its children; returns once its blocks are released."""
+        called = time.perf_counter()
+        state = self.registry.get(request_id)
+        if state is None:
+            return CancelReport(id=request_id, found=False, status="unknown")
+        status = state.status.public
+        children = len(state.live_descendants())
+        if not _cancel_tree(state, reason, by):
+            return CancelReport(
+                id=request_id, found=True, status=status, cancelled_children=children,
+                tokens_generated=len(state.token_ids),
+            )
+        await state.released.wait()
+        assert state.released_at is not None
+        return CancelReport(
+            id=request_id,
+            found=True,
+            status=status,
+            cancelled_children=children,
+            tokens_generated=len(state.token_ids),
+            blocks_released=state.blocks_released,
+            release_seconds=state.released_at - called,
+            waited_for_step=state.waited_for_step,
+        )
+
+    def cancel_nowait(self, request_id: str, reason: str = "user", by: str | None = None) -> bool:
+        """Cancel without waiting (for `finally` blocks); False if unknown or ended."""
+        state = self.registry.get(request_id)
+        return state is not None and _cancel_tree(state, reason, by)
+
+    def get(self, request_id: str) -> RequestInfo | None:
+        state = self.registry.get(request_id)
+        return state.info() if state is not None else None
+
+    def list_requests(self, owner: str | None = None) -> list[RequestInfo]:
+        return [state.info() for state in self.registry.live(owner)]
+
+    def watch(self, request_id: str) -> DeltaStream:
+        """The deltas of a request from its start; watching cancels nothing."""
+        state = self.registry.get(request_id)
+        if state is None:
+            raise UnknownRequest(f"no request {request_id!r}")
+        return DeltaStream(state)
+
+    def stats(self) -> dict[str, int]:
+        pool = self.pool.stats()
+        return {
+            "kv_blocks_total": pool.total,
+            "kv_blocks_free": pool.free,
+            "kv_blocks_in_use": pool.in_use,
+            "kv_blocks_cached": pool.cached,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "live_requests": self.registry.num_live,
+            "finished": self.counts["finished"],
+            "cancelled": self.counts["cancelled"],
+            "failed": self.counts["failed"],
+            "steps": self.step.steps,
+        }
+
+    def audit_records(self) -> list[dict[str, Any]]:
+        return list(self.audit.records)
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is live."""
+        await self._idle.wait()
+
+    # -- starting a request ---------------------------------------------------------------
+
+    async def _start(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        priority: int,
+        parent: str | None,
+        request_id: str | None,
+        timeout: float | None,
+        owner: str | None,
+        sampling: dict[str, Any],
+    ) -> RequestState:
+        if not self._accepting or self._tg is None:
+            raise EngineClosed("the engine is shutting down")
+        params = self._sampling_params(params, sampling)
+        prompt_ids = self._encode(prompt)
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}"
+            )
+        if params.max_tokens > room:
+            params = attrs.evolve(params, max_tokens=room)
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise InvalidRequest("timeout must be a positive number of seconds")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequest("priority must be an integer")
+        if self.scheduler.num_waiting >= self.config.max_queued_requests:
+            raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are already queued")
+        if request_id is not None and request_id in self.registry:
+            raise RequestConflict(f"request id {request_id!r} is already in use")
+        parent_state = None
+        group = self._tg
+        if parent is not None:
+            parent_state = self.registry.get(parent)
+            if parent_state is None or (owner is not None and parent_state.owner != owner):
+                raise UnknownRequest(f"no parent request {parent!r}")
+            if parent_state.children_group is None or parent_state.cancel_requested():
+                raise RequestConflict(f"parent request {parent!r} has ended")
+            group = parent_state.children_group
+        state = RequestState(
+            request_id=request_id or new_request_id(),
+            prompt_ids=prompt_ids,
+            params=params,
+            tokenizer=self.tokenizer,
+            priority=priority,
+            parent=parent_state,
+            owner=owner,
+            timeout=timeout,
+        )
+        if not params.greedy:
+            state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
+        # Shielded: once the task exists, the caller must get its handle to own it.
+        with anyio.CancelScope(shield=True):
+            try:
+                await group.start(run_request, state, self)
+            except RuntimeError as exc:  # the parent's group closed meanwhile
+                raise RequestConflict(f"parent request {parent!r} has ended") from exc
+        return state
+
+    def _sampling_params(self, params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
+        unknown = set(sampling) - SamplingParams.fields()
+        if unknown:
+            raise InvalidRequest(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
+        try:
+            if params is None:
+                return SamplingParams(**sampling)
+            return attrs.evolve(params, **sampling) if sampling else params
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            vocab = self.loaded.config.vocab_size
+            for token in prompt:
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+            return list(prompt)
+        raise InvalidRequest("the prompt must be a string or a list of token ids")
+
+    # -- RequestCore: called by request tasks ------------------------------------------------
+
+    def open_request(self, state: RequestState) -> None:
+        self.registry.add(state)
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        if state.parent is not None:
+            state.parent.children.append(state)
+        self.scheduler.add(state.seq)
+        self.step.wake()
+        log.info(
+            "request start id=%s prompt_tokens=%d max_tokens=%d priority=%d parent=%s key=%s",
+            state.id, len(state.prompt_ids), state.params.max_tokens, state.priority,
+            state.parent.id if state.parent else None, state.owner,
+        )
+
+    def close_request(self, state: RequestState, cancel_reason: str) -> None:
+        """The request's cleanup; synchronous, so it always runs to the end."""
+        if state.finish_reason is None:
+            if state.cancel_reason is None:
+                state.cancel_reason = cancel_reason
+                state.cancelled_by = state.parent.id if cancel_reason == "parent" and state.parent else "engine"
+                state.cancel_called_at = time.perf_counter()
+                state.cancelled_wall = time.time()
+            state.finish_reason = "cancelled"
+        seq = state.seq
+        state.blocks_released = self.scheduler.remove(seq)
+        state.mark_ended(state.finish_reason)
+        self.counts[state.status.public] += 1
+        if seq.release_pending:
+            state.waited_for_step = True
+            self.step.note_cancelled()
+        else:
+            self._release(state)
+        self.step.wake()
+        log.info(
+            "request %s id=%s finish_reason=%s cancel_reason=%s by=%s tokens=%d blocks=%d",
+            "cancel" if state.finish_reason == "cancelled" else "finish",
+            state.id, state.finish_reason, state.cancel_reason, state.cancelled_by,
+            len(state.token_ids), state.blocks_released,
+        )
+
+    def retire_request(self, state: RequestState) -> None:
+        self.registry.retire(state)
+        if self.registry.num_live == 0:
+            self._idle.set()
+
+    def _release(self, state: RequestState) -> None:
+        state.mark_released()
+        self.audit.write(state.audit_record())
+        for listener in self.release_listeners:
+            listener(state)
+
+    def _after_step(self, started: float, forward_seconds: float, batch: int) -> None:
+        for listener in self.step_listeners:
+            listener(started, forward_seconds, batch)
+
+    def sequence_of(self, request_id: str) -> Sequence | None:
+        state = self.registry.get(request_id)
+        return state.seq if state is not None else None
+
+
+def _cancel_tree(state: RequestState, reason: str, by: str | None) -> bool:
+    """Cancel `state`, or, if it has ended, its live children; True if it was live.
+
+    Cancelling a live request's scope cancels its children by structure; an ended
+    request's task lingers only to host its children, which are cancelled one by one.
+    """
+    if state.cancel(reason, by):
+        return True
+    for child in state.children:
+        if not child.task_done.is_set():
+            _cancel_tree(child, "parent", state.id)
+    return False
+
+
+__all__ = ["Engine", "RequestStatus"]

@@ -1,0 +1,112 @@
+"""The small frozen values that cross actor boundaries and reach callers.
+
+* `RequestStatus`: the ordered life of a request; every status above `PREEMPTED` is
+  final, so "has it ended?" is one comparison.
+* `Delta`: one piece of a request's stream (new text and token ids).
+* `Completion`: a request's final result.
+* `CancelReport`: what `Engine.cancel` found and freed.
+* `RequestInfo`: a snapshot of one request for `GET /requests/{id}`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class RequestStatus(enum.IntEnum):
+    QUEUED = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+    CANCELLED = 4
+    FAILED = 5
+
+    @property
+    def is_final(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def public(self) -> str:
+        """The name clients see; a preempted request is still running for them."""
+        return "running" if self is RequestStatus.PREEMPTED else self.name.lower()
+
+
+#: The final status each finish reason leads to.
+STATUS_OF_REASON = {
+    "stop": RequestStatus.FINISHED,
+    "length": RequestStatus.FINISHED,
+    "cancelled": RequestStatus.CANCELLED,
+    "error": RequestStatus.FAILED,
+}
+
+
+@attrs.frozen
+class Delta:
+    """New output of a request: `text` decoded so far past the last delta, its tokens."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Completion:
+    id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int
+    cancel_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@attrs.frozen(kw_only=True)
+class CancelReport:
+    id: str
+    found: bool
+    #: The state the request was in when the cancel arrived ("unknown" if not found).
+    status: str
+    cancelled_children: int = 0
+    tokens_generated: int = 0
+    blocks_released: int = 0
+    #: Seconds from the cancel call to the release of the request's KV blocks.
+    release_seconds: float | None = None
+    #: True when the blocks were held by a running step and freed when it ended.
+    waited_for_step: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True)
+class RequestInfo:
+    id: str
+    status: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: str | None
+    cancel_reason: str | None
+    cancelled_by: str | None
+    parent: str | None
+    children: tuple[str, ...]
+    priority: int
+    owner: str | None
+    created: float
+    error: str | None = None
+
+    @property
+    def tokens_generated(self) -> int:
+        return len(self.token_ids)
+
+    def as_dict(self) -> dict[str, object]:
+        data = attrs.asdict(self)
+        data["token_ids"] = list(self.token_ids)
+        data["children"] = list(self.children)
+        data["tokens_generated"] = self.tokens_generated
+        return data

@@ -1,0 +1,305 @@
+"""The request actor: one task per request, in its own cancel scope.
+
+`RequestState` is everything one request owns: its `Sequence`, its output so far (a
+log of `Delta`s that any number of watchers read), its children, and the facts the
+audit log records. The step actor hands it tokens with the synchronous `deliver`,
+which never waits for a consumer.
+
+`run_request` is the task: it opens the request's `CancelScope` (with the request's
+timeout as its deadline) and a task group for its children, queues the sequence, and
+waits until the generation ends. However it ends (finished, cancelled by id, by its
+caller's scope, by its parent, by timeout, by shutdown) its `finally` hands the state to
+`core.close_request`, which is synchronous: it cannot be interrupted half-way and needs
+no shield. Children run in the request's task group, so cancelling a request cancels
+its whole subtree by structure; the task itself ends when its children have.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from kvscope.models.tokenizer import IncrementalDecoder, Tokenizer
+from kvscope.params import SamplingParams
+
+from .messages import STATUS_OF_REASON, Completion, Delta, RequestInfo, RequestStatus
+from .scheduler import Sequence
+
+
+class RequestCore(Protocol):
+    """What the request task needs from the engine."""
+
+    def open_request(self, state: RequestState) -> None: ...
+
+    def close_request(self, state: RequestState, cancel_reason: str) -> None: ...
+
+    def retire_request(self, state: RequestState) -> None: ...
+
+
+class RequestState:
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        priority: int = 0,
+        parent: RequestState | None = None,
+        owner: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.id = request_id
+        self.params = params
+        self.priority = priority
+        self.parent = parent
+        self.children: list[RequestState] = []
+        self.owner = owner
+        self.timeout = timeout
+        self.prompt_ids = prompt_ids
+        self.seq = Sequence(
+            request_id,
+            prompt_ids,
+            priority=priority,
+            fork_from=parent.seq if parent is not None else None,
+            is_cancelled=self.cancel_requested,
+            params=params,
+            owner=self,
+        )
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids.update(tokenizer.eos_token_ids)
+        self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.text = ""
+        self._emitted = 0  # characters of `text` already published
+        self.token_ids: list[int] = []
+        self.log: list[Delta] = []
+        self._changed = anyio.Event()
+        self._watched = False
+        self._generation_done = anyio.Event()
+        self.ended = anyio.Event()  # the request's own generation ended and was published
+        self.released = anyio.Event()  # its KV blocks are back in the pool
+        self.task_done = anyio.Event()  # its task (and so its children) ended
+        self.scope: anyio.CancelScope | None = None
+        self.children_group: TaskGroup | None = None
+        self.finish_reason: str | None = None
+        self.cancel_reason: str | None = None
+        self.cancelled_by: str | None = None
+        self.error: str | None = None
+        self.final_status: RequestStatus | None = None
+        self.created_wall = time.time()
+        self.created = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.token_times: list[float] = []
+        self.cancel_called_at: float | None = None
+        self.cancelled_wall: float | None = None
+        self.released_at: float | None = None
+        self.released_wall: float | None = None
+        self.blocks_released = 0
+        self.waited_for_step = False
+
+    # -- status --------------------------------------------------------------------
+
+    @property
+    def status(self) -> RequestStatus:
+        return self.final_status if self.final_status is not None else self.seq.status
+
+    def cancel_requested(self) -> bool:
+        """True once this request or an ancestor was cancelled or timed out."""
+        now = None
+        state: RequestState | None = self
+        while state is not None:
+            scope = state.scope
+            if scope is not None:
+                if scope.cancel_called:
+                    return True
+                if scope.deadline != float("inf"):
+                    now = anyio.current_time() if now is None else now
+                    if now >= scope.deadline:
+                        return True
+            state = state.parent
+        return False
+
+    def live_descendants(self) -> list[RequestState]:
+        found = []
+        for child in self.children:
+            if not child.task_done.is_set():
+                found.append(child)
+            found.extend(child.live_descendants())
+        return found
+
+    # -- cancelling ----------------------------------------------------------------
+
+    def cancel(self, reason: str, by: str | None = None) -> bool:
+        """Cancel the request's scope (synchronous, idempotent). False if already ended."""
+        if self.final_status is not None:
+            return False
+        if self.cancel_reason is None:
+            self.cancel_reason, self.cancelled_by = reason, by
+            self.cancel_called_at = time.perf_counter()
+            self.cancelled_wall = time.time()
+        if self.scope is not None:
+            self.scope.cancel()
+        return True
+
+    # -- output (called by the step actor, synchronously) ----------------------------
+
+    def deliver(self, token: int) -> None:
+        """Take the next generated token: decode it, check the stop conditions."""
+        now = time.perf_counter()
+        self.seq.tokens.append(token)
+        self.token_ids.append(token)
+        self.token_times.append(now)
+        if self.first_token_at is None:
+            self.first_token_at = now
+        reason = None
+        if token in self._stop_ids:
+            reason = "stop"
+        else:
+            self.text += self._decoder.feed(token)
+            if self.params.stop and self._truncate_at_stop_string():
+                reason = "stop"
+        if reason is None and len(self.token_ids) >= self.params.max_tokens:
+            reason = "length"
+        self._publish(token, flush=reason is not None)
+        if reason is not None:
+            self.finish_generation(reason)
+
+    def finish_generation(self, reason: str, error: str | None = None) -> None:
+        """The generation ended by itself (stop, length) or failed; wake the task."""
+        if self.finish_reason is not None or self.final_status is not None:
+            return
+        self.finish_reason = reason
+        self.error = error
+        self.seq.status = STATUS_OF_REASON[reason]
+        self._generation_done.set()
+
+    def _truncate_at_stop_string(self) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        window_start = max(0, self._emitted - longest)
+        found = [i for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
+        if not found:
+            return False
+        self.text = self.text[: min(found)]
+        return True
+
+    def _publish(self, token: int | None, *, flush: bool) -> None:
+        visible = len(self.text) if flush else max(self._emitted, len(self.text) - self._holdback)
+        new_text = self.text[self._emitted : visible]
+        self._emitted = visible
+        if token is not None or new_text:
+            self.log.append(Delta(new_text, (token,) if token is not None else ()))
+            self._notify()
+
+    def _notify(self) -> None:
+        if self._watched:
+            self._changed.set()
+            self._changed = anyio.Event()
+            self._watched = False
+
+    async def wait_changed(self) -> None:
+        self._watched = True
+        await self._changed.wait()
+
+    def mark_ended(self, reason: str) -> None:
+        """Record the final status and publish the end (called once, by the cleanup)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.final_status = STATUS_OF_REASON[self.finish_reason]
+        self.seq.status = self.final_status
+        self._publish(None, flush=True)
+        self.ended.set()
+        self._changed.set()
+
+    def mark_released(self) -> None:
+        self.released_at = time.perf_counter()
+        self.released_wall = time.time()
+        self.released.set()
+
+    # -- views ------------------------------------------------------------------------
+
+    @property
+    def result(self) -> Completion:
+        if self.final_status is None:
+            raise RuntimeError(f"request {self.id} has not ended yet")
+        return Completion(
+            id=self.id,
+            text=self.text,
+            token_ids=tuple(self.token_ids),
+            finish_reason=self.finish_reason or "cancelled",
+            prompt_tokens=len(self.prompt_ids),
+            cancel_reason=self.cancel_reason,
+            error=self.error,
+        )
+
+    def info(self) -> RequestInfo:
+        return RequestInfo(
+            id=self.id,
+            status=self.status.public,
+            text=self.text,
+            token_ids=tuple(self.token_ids),
+            prompt_tokens=len(self.prompt_ids),
+            finish_reason=self.finish_reason if self.final_status is not None else None,
+            cancel_reason=self.cancel_reason,
+            cancelled_by=self.cancelled_by,
+            parent=self.parent.id if self.parent is not None else None,
+            children=tuple(c.id for c in self.children),
+            priority=self.priority,
+            owner=self.owner,
+            created=self.created_wall,
+            error=self.error,
+        )
+
+    def audit_record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "parent": self.parent.id if self.parent is not None else None,
+            "key": self.owner,
+            "finish_reason": self.finish_reason,
+            "cancel_reason": self.cancel_reason if self.finish_reason == "cancelled" else None,
+            "cancelled_by": self.cancelled_by if self.finish_reason == "cancelled" else None,
+            "created": self.created_wall,
+            "cancelled": self.cancelled_wall if self.finish_reason == "cancelled" else None,
+            "released": self.released_wall,
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": len(self.token_ids),
+            "blocks_released": self.blocks_released,
+            "error": self.error,
+        }
+
+
+async def run_request(
+    state: RequestState, core: RequestCore, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """The request task. Its scope is the request: cancelling it ends the request."""
+    try:
+        with anyio.CancelScope() as scope:
+            if state.timeout is not None:
+                scope.deadline = anyio.current_time() + state.timeout
+            state.scope = scope
+            async with anyio.create_task_group() as children:
+                state.children_group = children
+                try:
+                    core.open_request(state)
+                    task_status.started()
+                    await state._generation_done.wait()
+                finally:
+                    core.close_request(state, _cancel_reason(state, scope))
+    finally:
+        state.children_group = None
+        core.retire_request(state)
+        state.task_done.set()
+
+
+def _cancel_reason(state: RequestState, scope: anyio.CancelScope) -> str:
+    """Why the request was cancelled, if it was: the reason given to `cancel`, else the
+    deadline, else an ancestor's cancellation."""
+    if state.cancel_reason is not None:
+        return state.cancel_reason
+    if scope.deadline != float("inf") and anyio.current_time() >= scope.deadline:
+        return "timeout"
+    return "parent" if state.parent is not None else "shutdown"

@@ -1,0 +1,324 @@
+"""The scheduler: which sequences run in the next step, and which KV blocks they get.
+
+It owns the waiting queue and the running list and, through them, every sequence's
+block table. It is synchronous and used by one task at a time (the step actor
+schedules and advances; a request's cleanup removes), so no check is ever separated
+from its act by an `await`.
+
+A `Sequence` is the scheduler's view of one request: its tokens, how many of them have
+their K/V in the cache (`num_computed`), its block table and block hashes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+import attrs
+
+from kvscope.cache.block_pool import BlockPool
+from kvscope.cache.block_table import blocks_needed, extend_hashes
+
+from .messages import RequestStatus
+
+_arrivals = itertools.count()
+
+
+class Sequence:
+    """One request's tokens and KV blocks as the scheduler sees them."""
+
+    __slots__ = (
+        "id", "priority", "arrival", "tokens", "num_prompt_tokens", "num_computed",
+        "block_table", "block_hashes", "num_committed", "status", "fork_from",
+        "share_target", "in_step", "release_pending", "removed", "is_cancelled",
+        "params", "generator", "owner", "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt: list[int],
+        *,
+        priority: int = 0,
+        fork_from: Sequence | None = None,
+        is_cancelled: Callable[[], bool] | None = None,
+        params: object = None,
+        owner: object = None,
+    ) -> None:
+        self.id = seq_id
+        self.priority = priority
+        self.arrival = next(_arrivals)
+        self.tokens = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_committed = 0  # leading full blocks registered in the prefix cache
+        self.status = RequestStatus.QUEUED
+        self.in_step = False  # its blocks are pinned by the running step
+        self.release_pending = False  # removed while pinned: freed when the step unpins
+        self.removed = False
+        self.is_cancelled = is_cancelled or (lambda: False)
+        self.params = params
+        self.generator = None
+        self.owner = owner
+        self.num_preemptions = 0
+        # A child shares its parent's blocks for their common prefix (fork); it waits
+        # for the parent to compute that prefix rather than computing it twice.
+        self.fork_from = fork_from
+        self.share_target = 0
+        if fork_from is not None:
+            common = 0
+            for mine, theirs in zip(self.tokens, fork_from.tokens, strict=False):
+                if mine != theirs:
+                    break
+                common += 1
+            self.share_target = min(common, len(self.tokens) - 1)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    def skippable(self) -> bool:
+        return self.status.is_final or self.removed or self.is_cancelled()
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.id!r}, {self.status.name}, computed={self.num_computed}/{len(self.tokens)})"
+
+
+@attrs.frozen
+class ScheduledStep:
+    """What the next step computes: (sequence, number of new tokens) pairs, and the
+    block copies (source, destination) that copy-on-write asks for before it runs."""
+
+    chunks: list[tuple[Sequence, int]]
+    copies: list[tuple[int, int]]
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    """Priority classes, FCFS within one, chunked prefill under a token budget."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark: float = 0.01,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = math.ceil(watermark * pool.num_blocks)
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap; removed entries stay
+        self._num_waiting = 0
+        self.running: list[Sequence] = []
+
+    # -- membership --------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = RequestStatus.QUEUED
+        self._push_waiting(seq)
+
+    def remove(self, seq: Sequence) -> int:
+        """Take `seq` out for good and drop its block references (idempotent).
+
+        Returns how many block references it dropped. Blocks pinned by the running
+        step stay allocated until the step unpins them (`seq.release_pending`).
+        """
+        if seq.removed:
+            return 0
+        seq.removed = True
+        if seq.status in (RequestStatus.QUEUED, RequestStatus.PREEMPTED):
+            self._num_waiting -= 1  # its heap entry is dropped lazily
+        elif seq in self.running:
+            self.running.remove(seq)
+        dropped = len(seq.block_table)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.release_pending = seq.in_step and dropped > 0
+        return dropped
+
+    # -- scheduling ---------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        """Pick the next step.
+
+        Running sequences go first, most urgent first, each taking one decode token or
+        its next prefill chunk out of the token budget; when one needs a block and none
+        is free, the least urgent, most recent running sequence is preempted (its blocks
+        freed, it requeues and later recomputes). Then waiting sequences are admitted in
+        priority order, FCFS within a class, while the budget, the sequence cap and the
+        free blocks above the watermark allow, reusing cached prefix blocks or their
+        parent's blocks.
+        """
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+        self.running.sort(key=_sort_key)
+
+        index = 0
+        while index < len(self.running) and budget and len(chunks) < self.max_num_seqs:
+            seq = self.running[index]
+            index += 1
+            if seq.skippable():
+                continue
+            num_new = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self._reserve(seq, num_new, copies):
+                victim = self._least_urgent_running()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is RequestStatus.RUNNING:
+                chunks.append((seq, num_new))
+                budget -= num_new
+
+        if not preempted:
+            budget = self._admit(chunks, copies, budget)
+        return ScheduledStep(chunks, copies, preempted)
+
+    def advance(self, seq: Sequence, num_new: int) -> None:
+        """After a step computed `num_new` tokens of `seq`: count them, and register
+        its newly full blocks in the prefix cache."""
+        seq.num_computed += num_new
+        full = seq.num_computed // self.block_size
+        if full > seq.num_committed:
+            extend_hashes(seq.block_hashes, seq.tokens, seq.num_computed, self.block_size)
+            for index in range(seq.num_committed, full):
+                self.pool.commit(seq.block_table[index], seq.block_hashes[index])
+            seq.num_committed = full
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
+        self._num_waiting += 1
+
+    def _least_urgent_running(self) -> Sequence:
+        return max(self.running, key=_sort_key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_committed = 0
+        seq.num_preemptions += 1
+        seq.status = RequestStatus.PREEMPTED
+        self._push_waiting(seq)
+
+    def _reserve(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> bool:
+        """Give `seq` private blocks for its next `num_new` slots, if the pool can."""
+        pool, table = self.pool, seq.block_table
+        first_written = seq.num_computed // self.block_size
+        shared = [
+            i for i in range(first_written, len(table)) if pool.refcount(table[i]) > 1
+        ]
+        extra = blocks_needed(seq.num_computed + num_new, self.block_size) - len(table)
+        if not pool.can_allocate(len(shared) + max(extra, 0)):
+            return False
+        for i in shared:
+            fresh = pool.copy_on_write(table[i])
+            assert fresh is not None
+            copies.append((table[i], fresh))
+            table[i] = fresh
+        if extra > 0:
+            table.extend(pool.allocate(extra))
+        return True
+
+    def _admit(
+        self, chunks: list[tuple[Sequence, int]], copies: list[tuple[int, int]], budget: int
+    ) -> int:
+        deferred: list[Sequence] = []
+        while self._waiting and budget and len(chunks) < self.max_num_seqs:
+            seq = self._waiting[0][2]
+            if seq.removed or seq.status.is_final:
+                heapq.heappop(self._waiting)
+                continue
+            if seq.skippable() or self._waits_for_parent(seq):
+                heapq.heappop(self._waiting)
+                deferred.append(seq)
+                continue
+            num_new = self._claim_prefix(seq, budget, copies)
+            if num_new is None:
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            chunks.append((seq, num_new))
+            budget -= num_new
+        for seq in deferred:
+            heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
+        return budget
+
+    def _waits_for_parent(self, seq: Sequence) -> bool:
+        parent = seq.fork_from
+        return (
+            parent is not None
+            and parent.status is RequestStatus.RUNNING
+            and not parent.removed
+            and parent.num_computed < seq.share_target
+        )
+
+    def _claim_prefix(
+        self, seq: Sequence, budget: int, copies: list[tuple[int, int]]
+    ) -> int | None:
+        """Set up `seq`'s first blocks (shared prefix + its first chunk) if they fit
+        above the watermark; returns the chunk's token count, or None to wait."""
+        pool, size = self.pool, self.block_size
+        shared, num_computed = self._shared_prefix(seq)
+        num_new = min(len(seq.tokens) - num_computed, budget)
+        revived = sum(1 for b in shared if pool.refcount(b) == 0)  # leave the cache
+        partial = 1 if num_computed % size else 0  # a shared partial block is copied
+        new = blocks_needed(num_computed + num_new, size) - len(shared) + partial
+        if pool.num_available - revived - new < self.watermark_blocks:
+            return None
+        pool.acquire(shared)
+        seq.block_table = list(shared)
+        seq.num_computed = num_computed
+        seq.num_committed = num_computed // size
+        reserved = self._reserve(seq, num_new, copies)
+        assert reserved, "admission checked the blocks it reserves"
+        return num_new
+
+    def _shared_prefix(self, seq: Sequence) -> tuple[list[int], int]:
+        """Blocks `seq` can share (its parent's, else cached ones) and the tokens they
+        cover; at least one token is always left to compute, for the logits."""
+        size = self.block_size
+        parent = seq.fork_from
+        if parent is not None and parent.block_table and not parent.removed:
+            shared_tokens = min(seq.share_target, parent.num_computed)
+            if shared_tokens:
+                seq.block_hashes = parent.block_hashes[: shared_tokens // size]
+                return parent.block_table[: blocks_needed(shared_tokens, size)], shared_tokens
+        extend_hashes(seq.block_hashes, seq.tokens, len(seq.tokens), size)
+        hits = self.pool.lookup(seq.block_hashes)
+        hits = hits[: (len(seq.tokens) - 1) // size]
+        return hits, len(hits) * size
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.arrival)

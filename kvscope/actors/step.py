@@ -1,0 +1,144 @@
+"""The step actor: the one task that owns the model and forms every batch.
+
+Each iteration: ask the scheduler for the next step; drop every sequence whose request
+was cancelled (right before launching the kernels); pin the blocks the step reads and
+writes (+1 each, so a cancel during the forward cannot free them under it); run the
+forward and sampling in a worker thread so the event loop stays responsive; unpin
+(blocks whose request was cancelled meanwhile are freed now); advance the sequences and
+hand each live request its token with a synchronous call, never awaiting a consumer.
+
+When every sequence of the in-flight step has been cancelled, `note_cancelled` sets the
+abort flag that the forward checks between layers, so nobody waits for a forward that
+nobody wants. Idle, it sleeps on a wake-up event that any new request sets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import anyio
+from anyio.abc import TaskStatus
+
+from kvscope.cache.block_pool import BlockPool
+from kvscope.cache.block_table import blocks_needed
+from kvscope.models.llama import StepAborted
+from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
+
+from .scheduler import Scheduler, ScheduledStep, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class StepActor:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        pool: BlockPool,
+        *,
+        debug: bool = False,
+        on_released: Callable[[Sequence], None],
+        on_step: Callable[[float, float, int], None] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.pool = pool
+        self.debug = debug
+        self.abort = threading.Event()
+        self._wakeup = anyio.Event()
+        self._in_flight: list[Sequence] = []
+        self._limiter = anyio.CapacityLimiter(1)
+        self._on_released = on_released
+        self._on_step = on_step
+        self.steps = 0
+        self.aborted_steps = 0
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def in_flight(self, seq: Sequence) -> bool:
+        return seq.in_step
+
+    def note_cancelled(self) -> None:
+        """A request of the running step was cancelled: stop the forward if none is left."""
+        if self._in_flight and all(seq.skippable() for seq in self._in_flight):
+            self.abort.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            step = self.scheduler.schedule() if self.scheduler.has_work() else None
+            live = [(seq, n) for seq, n in step.chunks if not seq.skippable()] if step else []
+            if live:
+                await self._run_step(live, step)  # type: ignore[arg-type]
+                continue
+            if step is not None and step.preempted:
+                await anyio.lowlevel.checkpoint()
+                continue  # admission was held back for this step; try again
+            # Idle, or all that was scheduled is cancelled and its cleanup (which wakes
+            # us) has yet to run.
+            if self.debug and step is None:
+                self.pool.check_integrity()
+            await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+
+    async def _run_step(self, live: list[tuple[Sequence, int]], step: ScheduledStep) -> None:
+        live.sort(key=lambda item: item[1] != 1)  # decode rows first
+        work = StepInput([self._chunk_input(seq, n) for seq, n in live], step.copies)
+        pinned = [b for seq, _ in live for b in seq.block_table]
+        pinned.extend(src for src, _ in step.copies)
+        self.pool.acquire(pinned)
+        for seq, _ in live:
+            seq.in_step = True
+        self._in_flight = [seq for seq, _ in live]
+        self.abort.clear()
+        tokens: list[int | None] | None = None
+        failure: BaseException | None = None
+        started = time.perf_counter()
+        try:
+            tokens = await anyio.to_thread.run_sync(
+                self.runner.execute, work, self.abort, limiter=self._limiter
+            )
+        except StepAborted:
+            self.aborted_steps += 1
+        except Exception as exc:  # a model failure fails this step's requests, not the engine
+            log.exception("model step failed")
+            failure = exc
+        finally:
+            forward_seconds = time.perf_counter() - started
+            self._in_flight = []
+            for seq, _ in live:
+                seq.in_step = False
+            self.pool.release(pinned)
+            for seq, _ in live:
+                if seq.release_pending:
+                    seq.release_pending = False
+                    self._on_released(seq)
+        self.steps += 1
+        if failure is not None:
+            for seq, _ in live:
+                seq.owner.finish_generation("error", error=f"model step failed: {failure!r}")
+        elif tokens is not None:
+            for (seq, num_new), token in zip(live, tokens, strict=True):
+                if seq.skippable():
+                    continue
+                self.scheduler.advance(seq, num_new)
+                if token is not None:
+                    seq.owner.deliver(token)
+        if self._on_step is not None:
+            self._on_step(started, forward_seconds, len(live))
+
+    def _chunk_input(self, seq: Sequence, num_new: int) -> ChunkInput:
+        start = seq.num_computed
+        end = start + num_new
+        return ChunkInput(
+            token_ids=seq.tokens[start:end],
+            start=start,
+            block_table=seq.block_table[: blocks_needed(end, self.scheduler.block_size)],
+            sample=end == len(seq.tokens),
+            params=seq.params,
+            generator=seq.generator,
+        )

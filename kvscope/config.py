@@ -1,0 +1,56 @@
+"""Engine configuration: one frozen attrs class with its defaults and validation.
+
+`EngineConfig` is everything `Engine.open(**config)` accepts besides the model, device
+and dtype. Values are validated on construction, so a bad setting is a `ValueError`
+that names the field, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import attrs
+from attrs import validators as v
+
+_positive = v.gt(0)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Cache, scheduler and runtime limits of one engine."""
+
+    #: Token slots per KV block.
+    block_size: int = attrs.field(default=16, validator=_positive)
+    #: KV blocks in the pool; None sizes the pool to `kv_cache_tokens`.
+    num_kv_blocks: int | None = attrs.field(default=None, validator=v.optional(_positive))
+    #: Token slots to reserve when `num_kv_blocks` is None.
+    kv_cache_tokens: int = attrs.field(default=65_536, validator=_positive)
+    #: Longest sequence (prompt + output); None takes the model's own limit.
+    max_model_len: int | None = attrs.field(default=None, validator=v.optional(_positive))
+    #: Most sequences in one step.
+    max_num_seqs: int = attrs.field(default=64, validator=_positive)
+    #: Token budget of one step (decode tokens + prefill chunks).
+    max_num_batched_tokens: int = attrs.field(default=512, validator=_positive)
+    #: Fraction of the pool kept free when admitting new sequences.
+    watermark: float = attrs.field(default=0.01, validator=[v.ge(0.0), v.lt(1.0)])
+    #: Keep full blocks in an evictable prefix cache after their last user leaves.
+    enable_prefix_caching: bool = True
+    #: torch intra-op threads used by the model step (None: leave torch's setting).
+    model_threads: int | None = attrs.field(default=None, validator=v.optional(_positive))
+    #: Most requests waiting for admission before `submit` refuses more.
+    max_queued_requests: int = attrs.field(default=4096, validator=_positive)
+    #: Finished requests kept for look-up by id.
+    finished_history: int = attrs.field(default=10_000, validator=_positive)
+    #: Path of the JSON-lines audit log; None keeps records in memory only.
+    audit_log: str | None = None
+    #: Check the block pool's integrity whenever the step actor idles.
+    debug: bool = False
+    #: Seed for the random weights of `tiny-random` and for unseeded sampling.
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build from keyword arguments, naming any that are unknown."""
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

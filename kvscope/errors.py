@@ -1,0 +1,27 @@
+"""The errors kvscope raises to its callers; the web layer maps each to a status."""
+
+from __future__ import annotations
+
+
+class KvscopeError(Exception):
+    """Base of kvscope's own errors."""
+
+
+class InvalidRequest(KvscopeError, ValueError):
+    """The request is malformed or cannot fit the model (HTTP 400)."""
+
+
+class UnknownRequest(KvscopeError, LookupError):
+    """No request has this id, or the caller may not see it (HTTP 404)."""
+
+
+class RequestConflict(KvscopeError):
+    """The request is in a state that forbids the action, e.g. its parent ended (HTTP 409)."""
+
+
+class EngineOverloaded(KvscopeError):
+    """Too many requests are queued; retry later (HTTP 429)."""
+
+
+class EngineClosed(KvscopeError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""

@@ -1,0 +1,1 @@
+"""Compute kernels: paged attention (torch reference, Triton, Ascend) and sampling."""

@@ -1,0 +1,1 @@
+"""Models: the Llama-family decoder, its configuration, tokenizers and loading."""

@@ -1,0 +1,159 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+One forward runs a mixed batch (decode tokens and prefill chunks, laid out flat as
+`kernels.attention` describes) and returns the hidden states; `logits` turns the rows
+that sample into float32 logits. Weights are plain tensors, with q/k/v and gate/up
+fused into one matrix each so a layer is four matrix multiplies. The forward checks
+the step's abort flag between layers and raises `StepAborted` when it is set.
+
+Numerics follow Hugging Face `transformers` (RMSNorm in float32, rotary tables in
+float32 cast to the activations' dtype) so greedy tokens match it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from kvscope.cache.kv_cache import KVCache
+from kvscope.kernels.attention import AttentionMetadata, paged_attention
+
+from .config import ModelConfig
+from .rope import apply_rotary, rotary_tables
+
+
+class StepAborted(Exception):
+    """Every sequence of the running step was cancelled; the forward stopped early."""
+
+
+@attrs.define
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(device=device, dtype=dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in weights else None
+
+        self.embed = take("model.embed_tokens.weight")
+        if self.embed.shape != (c.vocab_size, c.hidden_size):
+            raise ValueError(
+                f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
+                f"({c.vocab_size}, {c.hidden_size})"
+            )
+        self.final_norm = take("model.norm.weight")
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv_bias=bias,
+                    q_norm=maybe(attn + "q_norm.weight") if c.qk_norm else None,
+                    k_norm=maybe(attn + "k_norm.weight") if c.qk_norm else None,
+                    o_proj=take(attn + "o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                    down=take(mlp + "down_proj.weight"),
+                )
+            )
+        self.cos, self.sin = rotary_tables(
+            c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        abort: threading.Event | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        eps = c.rms_norm_eps
+        cos = self.cos[positions].to(self.dtype)
+        sin = self.sin[positions].to(self.dtype)
+        hidden = F.embedding(input_ids, self.embed)
+        num_tokens = hidden.shape[0]
+        for index, layer in enumerate(self.layers):
+            if abort is not None and abort.is_set():
+                raise StepAborted
+            x = rms_norm(hidden, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            attended = paged_attention(
+                q, k, v, kv_cache.keys[index], kv_cache.values[index], meta, self.scale
+            )
+            hidden = hidden + F.linear(attended, layer.o_proj)
+            x = rms_norm(hidden, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(hidden, self.final_norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors.extend(t for t in attrs.astuple(layer, recurse=False) if t is not None)
+        return sum(t.numel() for t in tensors)

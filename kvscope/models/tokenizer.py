@@ -1,0 +1,100 @@
+"""Tokenizers and incremental detokenization.
+
+* `ByteTokenizer`: UTF-8 bytes as token ids 0..255 plus BOS and EOS; the tokenizer of
+  the built-in `tiny-random` model.
+* `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` library, with
+  the special tokens of `tokenizer_config.json`.
+* `IncrementalDecoder`: turns a growing token list into text deltas, holding back a
+  token that ends inside a multi-byte character (as vLLM's detokenizer does).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """Bytes are tokens: id b for byte b, then BOS and EOS."""
+
+    bos_token_id = 256
+    eos_token_ids = (257,)
+    vocab_size = 258
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer directory (`tokenizer.json` + its config)."""
+
+    def __init__(self, directory: str | Path, *, eos_token_ids: tuple[int, ...] = ()) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory} has no tokenizer.json")
+        self._tok = _Tokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        eos = list(eos_token_ids)
+        if self.eos_token and (eid := self._tok.token_to_id(self.eos_token)) is not None and eid not in eos:
+            eos.append(eid)
+        self.eos_token_ids = tuple(eos)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template: str | None = self.config.get("chat_template")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class IncrementalDecoder:
+    """Text deltas for one sequence's generated tokens."""
+
+    # Decoding starts a few tokens back so that tokenizers that strip a leading space
+    # (SentencePiece-style) see the context that decides it.
+    _CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-self._CONTEXT :])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def feed(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix : self._read])
+        new_text = decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the next token
+        self._prefix, self._read = self._read, len(self._ids)
+        return new_text[len(prefix_text) :]

@@ -1,0 +1,82 @@
+"""Per-request sampling parameters: one frozen attrs class, validated on construction.
+
+Invalid values raise `ValueError` naming the field, so the web layer can answer 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+from attrs import validators as v
+
+
+def _strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _ints(value: Iterable[int] | None) -> tuple[int, ...]:
+    return tuple(value) if value is not None else ()
+
+
+def _non_empty_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"{attribute.name} must hold non-empty strings")
+
+
+def _non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
+            raise ValueError(f"{attribute.name} must hold non-negative integers")
+
+
+def _number(lo: float, hi: float, *, lo_open: bool = False) -> object:
+    def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{attribute.name} must be a number")
+        if value != value or value > hi or value < lo or (lo_open and value == lo):
+            bound = "(" if lo_open else "["
+            raise ValueError(f"{attribute.name} must be in {bound}{lo}, {hi}]")
+
+    return check
+
+
+def _int_at_least(lo: int) -> object:
+    def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{attribute.name} must be an integer")
+        if value < lo:
+            raise ValueError(f"{attribute.name} must be >= {lo}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to pick each token and when to stop. `temperature=0` is greedy."""
+
+    max_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
+    temperature: float = attrs.field(default=1.0, validator=_number(0.0, 100.0))
+    top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, lo_open=True))
+    top_k: int = attrs.field(default=0, validator=_int_at_least(0))
+    seed: int | None = attrs.field(
+        default=None, validator=v.optional(_int_at_least(-(2**63)))
+    )
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_non_empty_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_ints, validator=_non_negative_ints
+    )
+    ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def fields(cls) -> frozenset[str]:
+        return frozenset(f.name for f in attrs.fields(cls))
