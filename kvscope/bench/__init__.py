@@ -1,0 +1,1 @@
+"""Benchmarks: `kvscope bench cancel` and `kvscope bench throughput`."""

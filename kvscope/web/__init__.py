@@ -1,0 +1,1 @@
+"""The HTTP server: a Quart app on hypercorn over one `Engine`."""
