@@ -1,0 +1,227 @@
+"""Parity with Hugging Face `transformers` on tiny random checkpoints of every
+architecture: prefill logits (one-shot, chunked, and batched with decode rows) within
+1e-4 relative in float32, and greedy tokens identical to `generate` when run alone,
+batched with others, beside cancelled requests, through chunked prefill and through a
+prefix-cache hit. bfloat16 loads and runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from kvscope.cache.kv_cache import KVCache
+from kvscope.kernels.attention import build_metadata
+from kvscope.models.loader import load_model
+
+CPU = torch.device("cpu")
+NEW_TOKENS = 32
+
+TEXTS = [
+    "Once upon a time there was a small model",
+    "The quick brown fox jumps over the lazy dog. Python is a programming language",
+    "A cache of keys and values",
+    "She sells sea shells by the sea shore, and in the beginning the universe was created.",
+]
+
+
+def prompts(checkpoint: Any) -> list[list[int]]:
+    loaded = load_model(str(checkpoint), device=CPU, dtype="float32")
+    return [loaded.tokenizer.encode(text) for text in TEXTS]
+
+
+def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf: Any, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -> None:
+    error = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert error <= rtol, f"max error {error:.2e} relative to the largest logit"
+
+
+class Cache:
+    """A KV cache and block allocator for driving the model's forward by hand."""
+
+    def __init__(self, loaded: Any, block_size: int = 4, num_blocks: int = 64) -> None:
+        c = loaded.config
+        self.model = loaded.model
+        self.block_size = block_size
+        self.kv = KVCache(
+            num_layers=c.num_layers, num_blocks=num_blocks, block_size=block_size,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=loaded.model.dtype, device=CPU,
+        )
+        # Hand out blocks in a scrambled order so that a table is not just 0, 1, 2, ...
+        self._free = [b for b in range(num_blocks - 1, 0, -1) if b % 3] + [b for b in range(num_blocks) if not b % 3]
+        self.tables: dict[int, list[int]] = {}
+
+    def step(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Run chunks (sequence, token ids, start), one-token chunks first; all logits."""
+        for seq, ids, start in chunks:
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < start + len(ids):
+                table.append(self._free.pop())
+        meta = build_metadata(
+            starts=[start for _, _, start in chunks],
+            lengths=[len(ids) for _, ids, _ in chunks],
+            block_tables=[self.tables[seq] for seq, _, _ in chunks],
+            block_size=self.block_size,
+            device=CPU,
+        )
+        input_ids = torch.tensor([t for _, ids, _ in chunks for t in ids])
+        positions = torch.tensor([p for _, ids, s in chunks for p in range(s, s + len(ids))])
+        with torch.inference_mode():
+            return self.model.logits(self.model.forward(input_ids, positions, meta, self.kv))
+
+
+def test_prefill_logits_match_transformers(checkpoints: Any, kind: str) -> None:
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    loaded = load_model(str(directory), device=CPU, dtype="float32")
+    for ids in prompts(directory):
+        cache = Cache(loaded)
+        assert_close(cache.step([(0, ids, 0)]), hf_logits(hf, ids))
+
+
+def test_chunked_and_batched_logits_match_transformers(checkpoints: Any, kind: str) -> None:
+    """Prefill in chunks of 5 tokens, while two other sequences decode in the same steps."""
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    loaded = load_model(str(directory), device=CPU, dtype="float32")
+    a, b, c, _ = prompts(directory)
+    cache = Cache(loaded)
+    cache.step([(1, b, 0), (2, c, 0)])  # two sequences prefilled in one step
+    ref_b, ref_c = hf_logits(hf, b + a[:6]), hf_logits(hf, c + a[:6])
+    ours = []
+    for start in range(0, len(a), 5):
+        n = start // 5
+        decode = [(1, [a[n]], len(b) + n), (2, [a[n]], len(c) + n)] if n < 6 else []
+        logits = cache.step([*decode, (0, a[start : start + 5], start)])
+        if decode:
+            assert_close(logits[0], ref_b[len(b) + n])
+            assert_close(logits[1], ref_c[len(c) + n])
+        ours.append(logits[len(decode) :])
+    assert_close(torch.cat(ours), hf_logits(hf, a))
+
+
+async def generate_all(open_engine: Any, checkpoint: Any, ids_list: list[list[int]], **config: Any) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in ids_list]
+    async with open_engine(str(checkpoint), dtype="float32", **config) as engine:
+        async with anyio.create_task_group() as tg:
+            for i, ids in enumerate(ids_list):
+
+                async def one(i: int = i, ids: list[int] = ids) -> None:
+                    out = await engine.generate(ids, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+                    results[i] = list(out.token_ids)
+
+                tg.start_soon(one)
+    return results
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_greedy_alone_matches_generate(checkpoints: Any, kind: str, open_engine: Any) -> None:
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    for ids in prompts(directory)[:2]:
+        assert await generate_all(open_engine, directory, [ids]) == [hf_greedy(hf, ids)]
+
+
+@pytest.mark.anyio
+async def test_greedy_batched_with_cancellations_matches_generate(checkpoints: Any, kind: str, open_engine: Any) -> None:
+    """All prompts at once, beside four requests cancelled part-way; the survivors'
+    tokens are exactly what `generate` gives each prompt alone."""
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    ids_list = prompts(directory)
+    expected = [hf_greedy(hf, ids) for ids in ids_list]
+    batch_sizes: list[int] = []
+    async with open_engine(str(directory), dtype="float32", block_size=4) as engine:
+        engine.step_listeners.append(lambda _start, _secs, size: batch_sizes.append(size))
+        victims = [
+            await engine.submit(ids[: 3 + i] + [7] * i, temperature=0, max_tokens=200, ignore_eos=True)
+            for i, ids in enumerate(ids_list)
+        ]
+        jobs = [
+            await engine.submit(ids, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            for ids in ids_list
+        ]
+        for n, victim in enumerate(victims):
+            # Cancel each victim once it has produced a few tokens (a different count each).
+            async for _delta in engine.watch(victim.id):
+                info = engine.get(victim.id)
+                if info is not None and info.tokens_generated >= 2 + 3 * n:
+                    break
+            report = await engine.cancel(victim.id)
+            assert report.found
+        done = [await job.wait() for job in jobs]
+        cancelled = [await victim.wait() for victim in victims]
+    assert [list(c.token_ids) for c in done] == expected
+    assert all(c.finish_reason == "cancelled" for c in cancelled)
+    assert max(batch_sizes) >= len(ids_list) + 2, batch_sizes
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_chunked_prefill_gives_the_same_tokens(checkpoints: Any, kind: str, open_engine: Any) -> None:
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    ids_list = prompts(directory)
+    assert max(len(ids) for ids in ids_list) > 12
+    chunked = await generate_all(open_engine, directory, ids_list, block_size=4, max_num_batched_tokens=6)
+    one_shot = await generate_all(open_engine, directory, ids_list, max_num_batched_tokens=512)
+    assert chunked == one_shot == [hf_greedy(hf, ids) for ids in ids_list]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_prefix_cache_hit_gives_the_same_tokens(checkpoints: Any, kind: str, open_engine: Any) -> None:
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    a, b, _, d = prompts(directory)
+    shared = d + a  # a long common prefix, then different endings
+    first, second = shared + b[1:5], shared + b[5:]
+    hits: list[int] = []
+    async with open_engine(str(directory), dtype="float32", block_size=4) as engine:
+        lookup = engine.pool.lookup
+
+        def spy(hashes: Any) -> list[int]:
+            found = lookup(hashes)
+            hits.append(len(found))
+            return found
+
+        engine.pool.lookup = spy  # type: ignore[method-assign]
+        cold = await engine.generate(first, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        warm_same = await engine.generate(first, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        warm_other = await engine.generate(second, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert hits[0] == 0 and hits[1] >= len(first) // 4 - 1 and hits[2] >= len(shared) // 4
+    assert list(cold.token_ids) == list(warm_same.token_ids) == hf_greedy(hf, first)
+    assert list(warm_other.token_ids) == hf_greedy(hf, second)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+async def test_bfloat16_loads_and_runs(checkpoints: Any, kind: str, open_engine: Any) -> None:
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    ids = prompts(directory)[0]
+    loaded = load_model(str(directory), device=CPU, dtype="bfloat16")
+    assert loaded.model.dtype == torch.bfloat16 and loaded.model.embed.dtype == torch.bfloat16
+    logits = Cache(loaded).step([(0, ids, 0)])
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    # bfloat16 keeps 8 bits of mantissa: close to float32, not equal.
+    assert_close(logits, hf_logits(hf, ids), rtol=0.1)
+    async with open_engine(str(directory), dtype="bfloat16") as engine:
+        out = await engine.generate(ids, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert len(out.token_ids) == NEW_TOKENS and out.finish_reason == "length"
+    assert out.token_ids[0] == hf_greedy(hf, ids, 1)[0]
