@@ -3,7 +3,8 @@
 One forward runs a mixed batch (decode tokens and prefill chunks, laid out flat as
 `kernels.attention` describes) and returns the hidden states; `logits` turns the rows
 that sample into float32 logits. Weights are plain tensors, with q/k/v and gate/up
-fused into one matrix each so a layer is four matrix multiplies. The forward checks
+fused into one matrix each so a layer is four matrix multiplies; `check_weights`
+validates a checkpoint's tensors against the config before any is copied. The forward checks
 the step's abort flag between layers and raises `StepAborted` when it is set.
 
 Numerics follow Hugging Face `transformers` (RMSNorm in float32, rotary tables in
@@ -23,6 +24,7 @@ from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.attention import AttentionMetadata, paged_attention
 
 from .config import ModelConfig
+from .errors import ModelLoadError
 from .rope import apply_rotary, rotary_tables
 
 
@@ -41,6 +43,52 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, under Hugging Face's names, with its shape."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[attn + f"{name}_proj.weight"] = (rows, c.hidden_size)
+            if c.attention_bias:
+                shapes[attn + f"{name}_proj.bias"] = (rows,)
+        shapes[attn + "o_proj.weight"] = (c.hidden_size, q)
+        if c.qk_norm:
+            shapes[attn + "q_norm.weight"] = (c.head_dim,)
+            shapes[attn + "k_norm.weight"] = (c.head_dim,)
+        shapes[mlp + "gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[mlp + "up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[mlp + "down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> list[str]:
+    """Raise `ModelLoadError` naming missing or misshapen tensors; return the names of
+    tensors the decoder does not use."""
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    for name, shape in expected.items():
+        actual = tuple(weights[name].shape)
+        if actual != shape:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {actual}, but config.json implies {shape}"
+            )
+    return [name for name in weights if name not in expected and name != "lm_head.weight"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,25 +115,14 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
 
+        check_weights(config, weights)
+
         def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
             return weights[name].to(device=device, dtype=dtype)
 
-        def maybe(name: str) -> torch.Tensor | None:
-            return take(name) if name in weights else None
-
         self.embed = take("model.embed_tokens.weight")
-        if self.embed.shape != (c.vocab_size, c.hidden_size):
-            raise ValueError(
-                f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
-                f"({c.vocab_size}, {c.hidden_size})"
-            )
         self.final_norm = take("model.norm.weight")
-        if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = take("lm_head.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else take("lm_head.weight")
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -98,8 +135,8 @@ class LlamaModel:
                     input_norm=take(p + "input_layernorm.weight"),
                     qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
                     qkv_bias=bias,
-                    q_norm=maybe(attn + "q_norm.weight") if c.qk_norm else None,
-                    k_norm=maybe(attn + "k_norm.weight") if c.qk_norm else None,
+                    q_norm=take(attn + "q_norm.weight") if c.qk_norm else None,
+                    k_norm=take(attn + "k_norm.weight") if c.qk_norm else None,
                     o_proj=take(attn + "o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),

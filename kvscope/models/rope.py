@@ -13,11 +13,20 @@ from typing import Any
 import torch
 
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The scaling's kind under either key transformers has used for it."""
+    scaling = scaling or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     """The inverse frequencies and the attention scaling factor."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_type(scaling)
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":

@@ -1,0 +1,1 @@
+"""Tests of kvscope.models (a package so its helpers import relatively)."""
