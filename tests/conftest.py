@@ -25,6 +25,8 @@ async def open_engine(model: str = "tiny-random", **config: Any) -> AsyncIterato
     """An engine on `model` that asserts, once closed, that nothing leaked."""
     config.setdefault("debug", True)
     config.setdefault("num_kv_blocks", 256)
+    # One intra-op thread: a shared or busy CPU makes two OpenMP threads spin-wait.
+    config.setdefault("model_threads", 1)
     async with Engine.open(model, device="cpu", **config) as engine:
         yield engine
     assert_clean(engine)
@@ -42,3 +44,43 @@ def assert_clean(engine: Engine) -> None:
 async def engine() -> AsyncIterator[Engine]:
     async with open_engine() as opened:
         yield opened
+
+
+async def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds, failing after `timeout` seconds."""
+    import anyio
+
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.001)
+
+
+class StepGate:
+    """Holds the model step's worker thread at the start of each forward until the test
+    opens the gate, so a test can act while a step is known to be in flight."""
+
+    def __init__(self, engine: Engine) -> None:
+        import threading
+
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        runner = engine.step.runner
+        self._execute = runner.execute
+        runner.execute = self._gated  # type: ignore[method-assign]
+
+    def _gated(self, step: Any, abort: Any) -> Any:
+        self.entered.set()
+        self.opened.wait(timeout=30)
+        return self._execute(step, abort)
+
+    async def wait_entered(self) -> None:
+        import anyio
+
+        assert await anyio.to_thread.run_sync(self.entered.wait, 10), "no step started"
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+def audit_lines(engine: Engine, request_id: str) -> list[dict[str, Any]]:
+    return [r for r in engine.audit_records() if r["id"] == request_id]

@@ -152,6 +152,12 @@ class Engine:
                     yield engine
                 finally:
                     engine._shutdown()
+        except BaseExceptionGroup as group:
+            # Request tasks and the step actor never raise, so a lone exception is the
+            # caller's own, from the body of the `async with`: give it back unwrapped.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
         finally:
             engine._closed()
 
@@ -201,8 +207,11 @@ class Engine:
             yield Request(state)
         finally:
             _cancel_tree(state, "scope", None)
+            # Leaving the block means the request is over and its blocks are free (a
+            # step in flight is aborted when nobody else is in it, so this is short).
             with anyio.CancelScope(shield=True):
                 await state.task_done.wait()
+                await state.released.wait()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
         """Run a request to its end and return its `Completion`."""

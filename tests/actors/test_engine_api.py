@@ -1,0 +1,176 @@
+"""The Python API of DESIGN section 3 on both anyio backends: streaming deltas, one-shot
+generation, detached jobs, sampling and stop conditions, validation, stats."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvscope import Engine, EngineClosed, InvalidRequest, RequestConflict, SamplingParams, UnknownRequest
+from tests.conftest import audit_lines, open_engine
+
+pytestmark = pytest.mark.anyio
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+async def test_streamed_deltas_add_up_to_the_result(engine: Engine):
+    async with engine.request("Once upon a time", SamplingParams(max_tokens=24, **GREEDY)) as request:
+        deltas = [delta async for delta in request]
+    result = request.result
+    assert result.finish_reason == "length"
+    assert len(result.token_ids) == 24
+    assert [t for d in deltas for t in d.token_ids] == list(result.token_ids)
+    assert "".join(d.text for d in deltas) == result.text
+    assert result.prompt_tokens == len(engine.tokenizer.encode("Once upon a time"))
+    assert len(audit_lines(engine, result.id)) == 1
+
+
+async def test_generate_submit_and_token_id_prompts_agree(engine: Engine):
+    ids = engine.tokenizer.encode("same prompt")
+    one = await engine.generate("same prompt", max_tokens=16, **GREEDY)
+    two = await (await engine.submit(ids, max_tokens=16, **GREEDY)).wait()
+    assert one.token_ids == two.token_ids and one.text == two.text
+
+
+async def test_seeded_sampling_repeats_and_seeds_differ(engine: Engine):
+    params = {"max_tokens": 20, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "ignore_eos": True}
+    a = await engine.generate("seeded", seed=7, **params)
+    b = await engine.generate("seeded", seed=7, **params)
+    c = await engine.generate("seeded", seed=8, **params)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+async def test_seeded_sampling_is_the_same_alone_and_batched(engine: Engine):
+    params = {"max_tokens": 12, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+    alone = await engine.generate("batch me", **params)
+    results = {}
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            async def run(i: int = i) -> None:
+                results[i] = await engine.generate("batch me" if i == 0 else f"noise {i}", **params)
+            tg.start_soon(run)
+    assert results[0].token_ids == alone.token_ids
+
+
+async def test_stop_token_ids_and_eos(engine: Engine):
+    free = await engine.generate("stops", max_tokens=30, **GREEDY)
+    stop_at = free.token_ids[5]
+    stopped = await engine.generate("stops", max_tokens=30, temperature=0, stop_token_ids=[stop_at])
+    first = free.token_ids.index(stop_at)
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: first + 1]
+
+
+async def test_stop_strings_truncate_the_text(engine: Engine):
+    free = await engine.generate("ascii please", max_tokens=40, **GREEDY)
+    text = free.text
+    candidates = [text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].isprintable()]
+    if not candidates:
+        pytest.skip("the random model produced no printable pair to stop on")
+    stop = candidates[0]
+    async with engine.request("ascii please", max_tokens=40, stop=[stop], **GREEDY) as request:
+        streamed = "".join([d.text async for d in request])
+    result = request.result
+    assert result.finish_reason == "stop"
+    assert result.text == text[: text.index(stop)]
+    assert streamed == result.text  # the held-back stop string never reached the stream
+
+
+async def test_max_tokens_is_capped_to_the_context():
+    async with open_engine(max_model_len=64) as engine:
+        result = await engine.generate(list(range(1, 60)), max_tokens=1000, **GREEDY)
+        assert result.finish_reason == "length" and len(result.token_ids) == 5
+        with pytest.raises(InvalidRequest, match="context"):
+            await engine.generate(list(range(1, 70)))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": 0},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+        {"stop": [""]},
+        {"stop_token_ids": [-1]},
+        {"nonsense": 1},
+        {"timeout": -1},
+        {"priority": "high"},
+    ],
+)
+async def test_invalid_requests_raise_invalid_request(engine: Engine, bad: dict):
+    with pytest.raises(InvalidRequest):
+        await engine.generate("x", **bad)
+    assert engine.stats()["live_requests"] == 0
+
+
+@pytest.mark.parametrize("prompt", ["", [], [1, 99999], "x".encode(), [1.5]])
+async def test_bad_prompts_are_rejected(engine: Engine, prompt: object):
+    with pytest.raises(InvalidRequest):
+        await engine.generate(prompt)  # type: ignore[arg-type]
+
+
+async def test_unknown_or_ended_parent_and_duplicate_ids(engine: Engine):
+    with pytest.raises(UnknownRequest):
+        await engine.submit("orphan", parent="req-missing")
+    done = await engine.generate("done", max_tokens=2, **GREEDY)
+    with pytest.raises(RequestConflict):
+        await engine.submit("late child", parent=done.id)
+    job = await engine.submit("named", request_id="mine", max_tokens=2, **GREEDY)
+    with pytest.raises(RequestConflict):
+        await engine.submit("named", request_id="mine")
+    await job.wait()
+
+
+async def test_watchers_see_the_whole_stream_and_cancel_nothing(engine: Engine):
+    job = await engine.submit("watched", max_tokens=20, **GREEDY)
+    with anyio.CancelScope() as scope:
+        async for _ in engine.watch(job.id):
+            scope.cancel()  # a watcher leaving early
+    seen = [d async for d in engine.watch(job.id)]
+    result = await job.wait()
+    assert result.finish_reason == "length"
+    assert [t for d in seen for t in d.token_ids] == list(result.token_ids)
+    with pytest.raises(UnknownRequest):
+        engine.watch("req-missing")
+
+
+async def test_stats_and_request_info(engine: Engine):
+    job = await engine.submit("info", max_tokens=4, priority=3, owner="key-a", **GREEDY)
+    assert [i.id for i in engine.list_requests(owner="key-a")] == [job.id]
+    assert engine.list_requests(owner="key-b") == []
+    result = await job.wait()
+    info = engine.get(job.id)
+    assert info.status == "finished" and info.priority == 3 and info.owner == "key-a"
+    assert info.as_dict()["tokens_generated"] == len(result.token_ids) == 4
+    stats = engine.stats()
+    for key in ("kv_blocks_total", "kv_blocks_free", "kv_blocks_in_use", "kv_blocks_cached",
+                "running", "waiting", "finished", "cancelled", "failed"):
+        assert key in stats
+    assert stats["kv_blocks_free"] + stats["kv_blocks_in_use"] + stats["kv_blocks_cached"] == stats["kv_blocks_total"]
+    assert stats["finished"] >= 1
+
+
+async def test_a_closed_engine_refuses_requests():
+    async with open_engine() as engine:
+        pass
+    with pytest.raises(EngineClosed):
+        await engine.submit("too late")
+
+
+async def test_an_exception_in_the_engine_block_comes_out_unwrapped():
+    with pytest.raises(KeyError):
+        async with open_engine() as engine:
+            await engine.submit("running", max_tokens=100, **GREEDY)
+            raise KeyError("mine")
+
+
+async def test_drain_waits_for_live_requests_and_stops_accepting():
+    async with open_engine() as engine:
+        job = await engine.submit("drain", max_tokens=10, **GREEDY)
+        assert await engine.drain(timeout=30)
+        assert job.done and not engine.accepting
+        with pytest.raises(EngineClosed):
+            await engine.submit("after drain")

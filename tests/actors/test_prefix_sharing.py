@@ -1,0 +1,68 @@
+"""Prefix sharing: children and repeated prompts reuse KV blocks instead of copying them,
+and releasing one sharer never frees a block another still holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import open_engine, wait_for
+
+pytestmark = pytest.mark.anyio
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PROMPT = list(range(1, 81))  # 5 full blocks of 16
+
+
+async def test_children_share_the_parents_prompt_blocks():
+    async with open_engine() as engine:
+        parent = await engine.submit(PROMPT, max_tokens=2000, **GREEDY)
+        await wait_for(lambda: parent.info().tokens_generated >= 1)
+        before = engine.stats()["kv_blocks_in_use"]
+        children = [await engine.submit(PROMPT, parent=parent.id, max_tokens=2000, **GREEDY) for _ in range(3)]
+        await wait_for(lambda: all(c.info().tokens_generated >= 1 for c in children))
+        grown = engine.stats()["kv_blocks_in_use"] - before
+        # A full copy would be 6 blocks each; a child shares 4 and copies on write the
+        # block of the prompt token it recomputes (for its first logits), plus 1 new.
+        assert grown <= 3 * 2, grown
+        parent_seq = engine.sequence_of(parent.id)
+        for child in children:
+            table = engine.sequence_of(child.id).block_table
+            assert table[:4] == parent_seq.block_table[:4]
+            assert table[4] != parent_seq.block_table[4]
+        await engine.cancel(parent.id)
+
+
+async def test_a_repeated_prompt_hits_the_prefix_cache():
+    async with open_engine() as engine:
+        first = await engine.generate(PROMPT, max_tokens=4, **GREEDY)
+        assert engine.stats()["kv_blocks_cached"] >= 5
+        again = await engine.submit(PROMPT, max_tokens=400, **GREEDY)
+        await wait_for(lambda: again.info().tokens_generated >= 1)
+        seq = engine.sequence_of(again.id)
+        cached_prefix = engine.pool.lookup(seq.block_hashes[:5])
+        assert seq.block_table[:4] == cached_prefix[:4]  # reused, not recomputed
+        await engine.cancel(again.id)
+        rerun = await engine.generate(PROMPT, max_tokens=4, **GREEDY)
+        assert rerun.token_ids == first.token_ids
+
+
+async def test_releasing_one_sharer_never_frees_a_block_another_holds():
+    async with open_engine() as engine:
+        alone = await engine.generate(PROMPT, max_tokens=30, **GREEDY)
+        parent = await engine.submit(PROMPT, max_tokens=30, **GREEDY)
+        child = await engine.submit(PROMPT, parent=parent.id, max_tokens=2000, **GREEDY)
+        await wait_for(lambda: child.info().tokens_generated >= 1)
+        shared = engine.sequence_of(parent.id).block_table[:5]
+        await engine.cancel(child.id)
+        for block in shared:
+            assert engine.pool.refcount(block) >= 1
+        assert (await parent.wait()).token_ids == alone.token_ids
+
+
+async def test_parent_and_children_generate_the_same_greedy_tokens():
+    async with open_engine() as engine:
+        alone = await engine.generate(PROMPT, max_tokens=24, **GREEDY)
+        parent = await engine.submit(PROMPT, max_tokens=24, **GREEDY)
+        children = [await engine.submit(PROMPT, parent=parent.id, max_tokens=24, **GREEDY) for _ in range(2)]
+        results = [await job.wait() for job in (parent, *children)]
+        assert all(r.token_ids == alone.token_ids for r in results)
