@@ -1,0 +1,50 @@
+"""The app factory: one Quart app (asyncio) or QuartTrio app (trio) over an open Engine.
+
+`create_app(engine, settings)` wires the blueprints (native jobs, streaming,
+WebSocket, OpenAI-compatible, observability, dashboard), the JSON error handlers, API
+keys, quart-schema's OpenAPI document at `/openapi.json`, and the body size cap. The
+app does not own the engine: `server.Server` opens the engine, then serves this app on
+hypercorn inside it, so the engine outlives every connection.
+"""
+
+from __future__ import annotations
+
+from quart import Quart
+from quart_schema import QuartSchema
+from quart_trio import QuartTrio
+
+from kvscope import Engine
+
+from . import auth, dashboard, errors, jobs, observability, openai, streaming, websocket
+from .context import ServerContext
+from .metrics import Metrics
+from .settings import ServerSettings
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None, metrics: Metrics | None = None) -> Quart:
+    """The kvscope app over `engine`; call inside the event loop that runs the engine."""
+    settings = settings or ServerSettings()
+    app_class = QuartTrio if settings.backend == "trio" else Quart
+    app = app_class("kvscope")
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        RESPONSE_TIMEOUT=None,
+        JSON_SORT_KEYS=False,
+        PROVIDE_AUTOMATIC_OPTIONS=True,
+    )
+    if metrics is None:
+        metrics = Metrics()
+        metrics.attach(engine)
+    app.extensions["kvscope"] = ServerContext(engine, settings, metrics)
+    QuartSchema(
+        app,
+        info={"title": "kvscope", "version": "0.1.0"},
+        swagger_ui_path=None, redoc_ui_path=None, scalar_ui_path=None,
+        security_schemes={"bearer": {"type": "http", "scheme": "bearer"}} if settings.api_keys else None,
+        security=[{"bearer": []}] if settings.api_keys else None,
+    )
+    errors.register(app, retry_after=settings.retry_after)
+    auth.register(app)
+    for module in (jobs, streaming, websocket, openai, observability, dashboard):
+        app.register_blueprint(module.blueprint)
+    return app

@@ -1,0 +1,52 @@
+"""The server's shared state, reached from any route as `server()`.
+
+`ServerContext` holds the open `Engine`, the settings, the metrics, and the count of
+open streams (SSE responses and WebSockets) so that shutdown can wait until every
+stream has sent its final event. It is created inside the running event loop (anyio
+events bind to it) and stored in `app.extensions["kvscope"]`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+from quart import current_app
+
+from kvscope import Engine
+
+from .metrics import Metrics
+from .settings import ServerSettings
+
+
+class ServerContext:
+    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.started = int(time.time())
+        #: Set once shutdown began: WebSockets stop waiting for new bodies.
+        self.shutting_down = anyio.Event()
+        self.open_streams = 0
+        self._streams_closed = anyio.Event()
+        self._streams_closed.set()
+
+    def stream_opened(self) -> None:
+        if self.open_streams == 0:
+            self._streams_closed = anyio.Event()
+        self.open_streams += 1
+        self.metrics.open_streams = self.open_streams
+
+    def stream_closed(self) -> None:
+        self.open_streams -= 1
+        self.metrics.open_streams = self.open_streams
+        if self.open_streams == 0:
+            self._streams_closed.set()
+
+    async def wait_streams_closed(self) -> None:
+        """Wait until no SSE response or WebSocket is open."""
+        await self._streams_closed.wait()
+
+
+def server() -> ServerContext:
+    return current_app.extensions["kvscope"]  # type: ignore[no-any-return]

@@ -1,0 +1,45 @@
+"""Observability: `GET /stats` (JSON), `GET /metrics` (Prometheus text), `GET /health`.
+
+`/health` needs no key: 200 `{"status": "ok", "ready": true}` while the server takes
+requests, 503 `{"status": "shutting_down", "ready": false}` once shutdown began (alive,
+not ready), so a load balancer stops sending work before the streams are cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from quart import Blueprint, Response
+from quart_schema import document_response
+
+from .context import server
+from .schemas import Health, Stats
+
+blueprint = Blueprint("observability", __name__)
+
+
+@blueprint.get("/stats")
+@document_response(Stats, 200)
+async def stats() -> Any:
+    """KV blocks (total, free, in use, cached), running, waiting, live, and counts of
+    finished, cancelled and failed requests."""
+    ctx = server()
+    return {**ctx.engine.stats(), **ctx.metrics.snapshot()}
+
+
+@blueprint.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus exposition of the server's metrics."""
+    return Response(server().metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+
+@blueprint.get("/health")
+@document_response(Health, 200)
+@document_response(Health, 503)
+async def health() -> Any:
+    """Liveness and readiness."""
+    ctx = server()
+    ready = ctx.engine.accepting and not ctx.shutting_down.is_set()
+    body = {"status": "ok" if ready else "shutting_down", "ready": ready, "model": ctx.engine.model_name}
+    return body, 200 if ready else 503

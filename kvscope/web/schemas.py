@@ -1,0 +1,136 @@
+"""The native API's request and response bodies, declared once.
+
+Pydantic models: routes read bodies through `bodies.read_body` and document them with
+quart-schema, so `/openapi.json` describes exactly what is validated. Inputs are strict
+(no type coercion, unknown fields refused) and bounded, so a bad value is a 400 naming
+the field. Sampling values the engine checks itself (ranges that depend on the model)
+are checked again there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT32 = 2**31 - 1
+SEED_MAX = 2**63 - 1
+#: The longest timeout a request may ask for: a week.
+TIMEOUT_MAX = 7 * 24 * 3600.0
+Status = Literal["queued", "running", "finished", "cancelled", "failed"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class Sampling(Strict):
+    """`SamplingParams` fields, as the HTTP API takes them."""
+
+    max_tokens: int = Field(16, ge=1, le=INT32, description="capped to what fits in the context")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=INT32, description="0 disables top-k")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def sampling(self) -> dict[str, Any]:
+        """The `SamplingParams` keyword arguments (unset optionals left out)."""
+        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+class GenerateBody(Sampling):
+    """`POST /generate` and the WebSocket's generate message."""
+
+    prompt: str | None = Field(None, description="the prompt text; or give prompt_token_ids")
+    prompt_token_ids: list[int] | None = Field(None, description="the prompt as token ids")
+    priority: int = Field(0, ge=-INT32, le=INT32, description="lower is more urgent")
+    parent: str | None = Field(None, description="a live request id: run as its child")
+    timeout: float | None = Field(None, gt=0.0, le=TIMEOUT_MAX, description="seconds; cancels with reason timeout")
+    stream: bool = Field(False, description="answer an SSE stream of token events instead of 202")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateBody:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        return self
+
+    def engine_prompt(self) -> str | list[int]:
+        return self.prompt if self.prompt is not None else list(self.prompt_token_ids or ())
+
+
+class Accepted(BaseModel):
+    id: str
+    status: Status
+
+
+class RequestView(BaseModel):
+    """One request as `GET /requests/{id}` shows it."""
+
+    id: str
+    status: Status
+    text: str
+    token_ids: list[int]
+    tokens_generated: int
+    prompt_tokens: int
+    finish_reason: str | None
+    cancel_reason: str | None
+    cancelled_by: str | None
+    parent: str | None
+    children: list[str]
+    priority: int
+    created: float
+    error: str | None = None
+
+
+class RequestList(BaseModel):
+    requests: list[RequestView]
+
+
+class CancelReportView(BaseModel):
+    id: str
+    found: bool
+    status: str
+    cancelled_children: int
+    tokens_generated: int
+    blocks_released: int
+    release_seconds: float | None
+    waited_for_step: bool
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    status: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Stats(BaseModel):
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_in_use: int
+    kv_blocks_cached: int
+    running: int
+    waiting: int
+    live_requests: int
+    finished: int
+    cancelled: int
+    failed: int
+    steps: int
+
+
+class Health(BaseModel):
+    status: Literal["ok", "shutting_down"]
+    ready: bool
+    model: str
+
+
+def request_view(info_dict: dict[str, Any]) -> dict[str, Any]:
+    """A `RequestInfo.as_dict()` as the API shows it (the owner stays private)."""
+    return {k: v for k, v in info_dict.items() if k != "owner"}

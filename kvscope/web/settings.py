@@ -1,0 +1,45 @@
+"""Server settings: what `kvscope serve` parsed, minus the engine's own settings.
+
+`ServerSettings` is frozen and validated on construction; `api_keys` maps each key id
+(a short, stable name derived from the key, safe to log and to write to the audit log)
+to the secret key. The engine's settings travel separately as `Engine.open` kwargs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import attrs
+from attrs import validators as v
+
+
+def key_id(key: str) -> str:
+    """A stable, non-secret name for an API key: what logs and the audit log show."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _keys(value: object) -> dict[str, str]:
+    if isinstance(value, dict):
+        return dict(value)
+    keys = [k.strip() for k in (value or ()) if k and k.strip()]  # type: ignore[union-attr]
+    return {key_id(k): k for k in keys}
+
+
+@attrs.frozen(kw_only=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    #: 0 asks the OS for a free port (the bound one is printed and logged).
+    port: int = attrs.field(default=8000, validator=[v.ge(0), v.le(65535)])
+    backend: str = attrs.field(default="asyncio", validator=v.in_(("asyncio", "trio")))
+    #: key id -> secret key; empty means no authentication.
+    api_keys: dict[str, str] = attrs.field(factory=dict, converter=_keys)
+    #: Largest request body (and WebSocket message) accepted, in bytes (413 past it).
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=v.gt(0))
+    #: On SIGINT/SIGTERM, let live requests finish for this long before cancelling them.
+    drain_timeout: float = attrs.field(default=0.0, validator=v.ge(0.0))
+    #: Seconds hypercorn waits for connections to close once streams have ended.
+    graceful_timeout: float = attrs.field(default=5.0, validator=v.gt(0.0))
+    #: Seconds between two event-loop lag samples of the monitor task.
+    lag_interval: float = attrs.field(default=0.05, validator=v.gt(0.0))
+    #: Retry-After seconds sent with a 429.
+    retry_after: int = attrs.field(default=1, validator=v.ge(0))

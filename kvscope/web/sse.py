@@ -1,0 +1,98 @@
+"""Server-sent events: the body of every streaming response.
+
+`StreamBody` wraps an async generator of events (dicts) and is handed to Quart as a
+response body. Quart iterates it after the route returned, in the connection's task,
+so (STYLE 11) it holds no task group or cancel scope across a `yield`; it only
+consumes. When it is closed before its events ran out (the client went away, so Quart
+cancelled the connection's task and closed the body) it cancels its requests with the
+synchronous `engine.cancel_nowait(..., reason="disconnect")`. It also counts itself in
+the server's open streams, so shutdown can wait for every final event to be sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+from quart import Response
+
+from .context import ServerContext
+
+log = logging.getLogger("kvscope.web")
+
+Event = dict[str, Any]
+
+
+def encode(event: Event | str) -> bytes:
+    """One SSE message: `data: <json>` (or a literal like `[DONE]`) and a blank line."""
+    data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class StreamBody:
+    """An SSE response body over `events`; closing it early cancels `cancel_ids`."""
+
+    def __init__(
+        self,
+        ctx: ServerContext,
+        events: AsyncGenerator[Event | str, None],
+        *,
+        cancel_ids: Callable[[], Sequence[str]] | Sequence[str] = (),
+    ) -> None:
+        self._ctx = ctx
+        self._events = events
+        self._cancel_ids = cancel_ids
+        self._opened = False
+        self._closed = False
+        self._complete = False
+
+    def __aiter__(self) -> StreamBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise StopAsyncIteration
+        if not self._opened:
+            self._opened = True
+            self._ctx.stream_opened()
+        try:
+            event = await self._events.__anext__()
+        except StopAsyncIteration:
+            self._complete = True
+            self._close()
+            raise
+        except BaseException:
+            self._close()
+            raise
+        return encode(event)
+
+    async def aclose(self) -> None:
+        self._close()
+        await self._events.aclose()
+
+    def _close(self) -> None:
+        """Synchronous, idempotent: count the stream closed, cancel if it ended early."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._opened:
+            self._ctx.stream_closed()
+        if self._complete:
+            return
+        ids = self._cancel_ids() if callable(self._cancel_ids) else self._cancel_ids
+        for request_id in ids:
+            if self._ctx.engine.cancel_nowait(request_id, reason="disconnect"):
+                log.info("stream closed by the client: cancelled %s (reason disconnect)", request_id)
+
+
+def sse_response(body: StreamBody, request_id: str) -> Response:
+    response = Response(
+        body,  # type: ignore[arg-type]
+        status=200,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id},
+    )
+    response.timeout = None  # a stream lasts as long as its request
+    return response
