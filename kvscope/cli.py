@@ -20,10 +20,14 @@ from kvscope.config import EngineConfig
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and engine")
-    group.add_argument("--model", default="bundled", help="bundled | tiny-random | a Hugging Face checkpoint dir")
+    group.add_argument(
+        "--model", default="bundled", help="bundled | tiny-random | a Hugging Face checkpoint dir"
+    )
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    group.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"], help="event loop")
+    group.add_argument(
+        "--backend", default="asyncio", choices=["asyncio", "trio"], help="event loop"
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--kv-cache-tokens", type=int, default=65_536)
@@ -31,9 +35,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-num-batched-tokens", type=int, default=512)
     group.add_argument("--max-queued-requests", type=int, default=4096)
-    group.add_argument("--model-threads", type=int, default=None, help="torch threads for the model step")
+    group.add_argument(
+        "--model-threads", type=int, default=None, help="torch threads for the model step"
+    )
     group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--seed", type=int, default=0, help="engine seed (random weights, unseeded sampling)")
+    group.add_argument(
+        "--seed", type=int, default=0, help="engine seed (random weights, unseeded sampling)"
+    )
     group.add_argument("--log-level", default="INFO")
 
 
@@ -105,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvscope.web import serve
 
     serve.add_arguments(commands.add_parser("serve", help="serve the HTTP API (the main job)"))
-    add_generate_arguments(commands.add_parser("generate", help="stream a completion to the terminal"))
+    add_generate_arguments(
+        commands.add_parser("generate", help="stream a completion to the terminal")
+    )
     from kvscope.bench import cli as bench
 
     bench.add_arguments(commands.add_parser("bench", help="run a benchmark"))

@@ -5,7 +5,8 @@ Invalid values raise `ValueError` naming the field, so the web layer can answer 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 from attrs import validators as v
@@ -35,7 +36,7 @@ def _non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) 
             raise ValueError(f"{attribute.name} must hold non-negative integers")
 
 
-def _number(lo: float, hi: float, *, lo_open: bool = False) -> object:
+def _number(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any, Any, Any], None]:
     def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{attribute.name} must be a number")
@@ -46,7 +47,7 @@ def _number(lo: float, hi: float, *, lo_open: bool = False) -> object:
     return check
 
 
-def _int_at_least(lo: int) -> object:
+def _int_at_least(lo: int) -> Callable[[Any, Any, Any], None]:
     def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{attribute.name} must be an integer")
@@ -64,10 +65,10 @@ class SamplingParams:
     temperature: float = attrs.field(default=1.0, validator=_number(0.0, 100.0))
     top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, lo_open=True))
     top_k: int = attrs.field(default=0, validator=_int_at_least(0))
-    seed: int | None = attrs.field(
-        default=None, validator=v.optional(_int_at_least(-(2**63)))
+    seed: int | None = attrs.field(default=None, validator=v.optional(_int_at_least(-(2**63))))
+    stop: tuple[str, ...] = attrs.field(
+        default=(), converter=_strings, validator=_non_empty_strings
     )
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_non_empty_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_ints, validator=_non_negative_ints
     )

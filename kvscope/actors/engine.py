@@ -30,7 +30,6 @@ import torch
 from anyio.abc import TaskGroup
 
 from kvscope.cache.block_pool import BlockPool
-from kvscope.cache.block_table import blocks_needed
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.errors import (
@@ -81,7 +80,9 @@ class Engine:
         # never finish; cap the context to what the pool holds.
         fits = (num_blocks - self.scheduler.watermark_blocks) * config.block_size
         if fits <= 0:
-            raise InvalidRequest(f"a pool of {num_blocks} KV blocks leaves no room beside its watermark")
+            raise InvalidRequest(
+                f"a pool of {num_blocks} KV blocks leaves no room beside its watermark"
+            )
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
@@ -101,7 +102,7 @@ class Engine:
             ModelRunner(loaded.model, self.kv_cache),
             self.pool,
             debug=config.debug,
-            on_released=lambda seq: self._release(seq.owner),
+            on_released=lambda seq: self._release(seq.owner),  # type: ignore[arg-type]
             on_step=self._after_step,
         )
         self.registry = Registry(config.finished_history)
@@ -141,8 +142,12 @@ class Engine:
         engine = cls(loaded, engine_config, torch_device)
         log.info(
             "engine open model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
-            loaded.name, torch_device, loaded.model.dtype, engine.pool.num_blocks,
-            engine_config.block_size, engine.max_model_len,
+            loaded.name,
+            torch_device,
+            loaded.model.dtype,
+            engine.pool.num_blocks,
+            engine_config.block_size,
+            engine.max_model_len,
         )
         try:
             async with anyio.create_task_group() as tg:
@@ -202,7 +207,9 @@ class Engine:
     ) -> AsyncIterator[Request]:
         """A request that lives as long as the block: iterate it for `Delta`s; leaving
         the block early (break, exception, the caller's scope cancelled) cancels it."""
-        state = await self._start(prompt, params, priority, parent, request_id, timeout, owner, sampling)
+        state = await self._start(
+            prompt, params, priority, parent, request_id, timeout, owner, sampling
+        )
         try:
             yield Request(state)
         finally:
@@ -213,7 +220,9 @@ class Engine:
                 await state.task_done.wait()
                 await state.released.wait()
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+    ) -> Completion:
         """Run a request to its end and return its `Completion`."""
         async with self.request(prompt, params, **kwargs) as request:
             return await request.wait()
@@ -231,10 +240,14 @@ class Engine:
         **sampling: Any,
     ) -> Job:
         """Start a detached request; it runs until it ends or is cancelled by id."""
-        state = await self._start(prompt, params, priority, parent, request_id, timeout, owner, sampling)
+        state = await self._start(
+            prompt, params, priority, parent, request_id, timeout, owner, sampling
+        )
         return Job(state)
 
-    async def cancel(self, request_id: str, reason: str = "user", by: str | None = None) -> CancelReport:
+    async def cancel(
+        self, request_id: str, reason: str = "user", by: str | None = None
+    ) -> CancelReport:
         """Cancel a request and its children; returns once its blocks are released."""
         called = time.perf_counter()
         state = self.registry.get(request_id)
@@ -244,7 +257,10 @@ class Engine:
         children = len(state.live_descendants())
         if not _cancel_tree(state, reason, by):
             return CancelReport(
-                id=request_id, found=True, status=status, cancelled_children=children,
+                id=request_id,
+                found=True,
+                status=status,
+                cancelled_children=children,
                 tokens_generated=len(state.token_ids),
             )
         await state.released.wait()
@@ -371,7 +387,9 @@ class Engine:
                 raise RequestConflict(f"parent request {parent!r} has ended") from exc
         return state
 
-    def _sampling_params(self, params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
+    def _sampling_params(
+        self, params: SamplingParams | None, sampling: dict[str, Any]
+    ) -> SamplingParams:
         unknown = set(sampling) - SamplingParams.fields()
         if unknown:
             raise InvalidRequest(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
@@ -408,8 +426,12 @@ class Engine:
         self.step.wake()
         log.info(
             "request start id=%s prompt_tokens=%d max_tokens=%d priority=%d parent=%s key=%s",
-            state.id, len(state.prompt_ids), state.params.max_tokens, state.priority,
-            state.parent.id if state.parent else None, state.owner,
+            state.id,
+            len(state.prompt_ids),
+            state.params.max_tokens,
+            state.priority,
+            state.parent.id if state.parent else None,
+            state.owner,
         )
 
     def close_request(self, state: RequestState, cancel_reason: str) -> None:
@@ -417,7 +439,9 @@ class Engine:
         if state.finish_reason is None:
             if state.cancel_reason is None:
                 state.cancel_reason = cancel_reason
-                state.cancelled_by = state.parent.id if cancel_reason == "parent" and state.parent else "engine"
+                state.cancelled_by = (
+                    state.parent.id if cancel_reason == "parent" and state.parent else "engine"
+                )
                 state.cancel_called_at = time.perf_counter()
                 state.cancelled_wall = time.time()
             state.finish_reason = "cancelled"
@@ -434,8 +458,12 @@ class Engine:
         log.info(
             "request %s id=%s finish_reason=%s cancel_reason=%s by=%s tokens=%d blocks=%d",
             "cancel" if state.finish_reason == "cancelled" else "finish",
-            state.id, state.finish_reason, state.cancel_reason, state.cancelled_by,
-            len(state.token_ids), state.blocks_released,
+            state.id,
+            state.finish_reason,
+            state.cancel_reason,
+            state.cancelled_by,
+            len(state.token_ids),
+            state.blocks_released,
         )
 
     def retire_request(self, state: RequestState) -> None:

@@ -60,7 +60,7 @@ class RequestState:
         self.owner = owner
         self.timeout = timeout
         self.prompt_ids = prompt_ids
-        self.seq = Sequence(
+        self.seq: Sequence = Sequence(
             request_id,
             prompt_ids,
             priority=priority,
@@ -273,7 +273,10 @@ class RequestState:
 
 
 async def run_request(
-    state: RequestState, core: RequestCore, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    state: RequestState,
+    core: RequestCore,
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """The request task. Its scope is the request: cancelling it ends the request."""
     try:

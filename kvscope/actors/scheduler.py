@@ -15,25 +15,52 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import attrs
+import torch
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed, extend_hashes
+from kvscope.params import SamplingParams
 
 from .messages import RequestStatus
 
 _arrivals = itertools.count()
 
 
+class SequenceOwner(Protocol):
+    """The request a sequence belongs to, as the step actor talks to it."""
+
+    def deliver(self, token: int) -> None: ...
+
+    def finish_generation(self, reason: str, error: str | None = None) -> None: ...
+
+
 class Sequence:
     """One request's tokens and KV blocks as the scheduler sees them."""
 
     __slots__ = (
-        "id", "priority", "arrival", "tokens", "num_prompt_tokens", "num_computed",
-        "block_table", "block_hashes", "num_committed", "status", "fork_from",
-        "share_target", "in_step", "release_pending", "removed", "is_cancelled",
-        "params", "generator", "owner", "num_preemptions",
+        "id",
+        "priority",
+        "arrival",
+        "tokens",
+        "num_prompt_tokens",
+        "num_computed",
+        "block_table",
+        "block_hashes",
+        "num_committed",
+        "status",
+        "fork_from",
+        "share_target",
+        "in_step",
+        "release_pending",
+        "removed",
+        "is_cancelled",
+        "params",
+        "generator",
+        "owner",
+        "num_preemptions",
     )
 
     def __init__(
@@ -44,8 +71,8 @@ class Sequence:
         priority: int = 0,
         fork_from: Sequence | None = None,
         is_cancelled: Callable[[], bool] | None = None,
-        params: object = None,
-        owner: object = None,
+        params: SamplingParams | None = None,
+        owner: Any = None,
     ) -> None:
         self.id = seq_id
         self.priority = priority
@@ -61,9 +88,9 @@ class Sequence:
         self.release_pending = False  # removed while pinned: freed when the step unpins
         self.removed = False
         self.is_cancelled = is_cancelled or (lambda: False)
-        self.params = params
-        self.generator = None
-        self.owner = owner
+        self.params: SamplingParams = params or SamplingParams()
+        self.generator: torch.Generator | None = None
+        self.owner: SequenceOwner = owner
         self.num_preemptions = 0
         # A child shares its parent's blocks for their common prefix (fork); it waits
         # for the parent to compute that prefix rather than computing it twice.
@@ -233,9 +260,7 @@ class Scheduler:
         """Give `seq` private blocks for its next `num_new` slots, if the pool can."""
         pool, table = self.pool, seq.block_table
         first_written = seq.num_computed // self.block_size
-        shared = [
-            i for i in range(first_written, len(table)) if pool.refcount(table[i]) > 1
-        ]
+        shared = [i for i in range(first_written, len(table)) if pool.refcount(table[i]) > 1]
         extra = blocks_needed(seq.num_computed + num_new, self.block_size) - len(table)
         if not pool.can_allocate(len(shared) + max(extra, 0)):
             return False

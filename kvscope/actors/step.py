@@ -27,7 +27,7 @@ from kvscope.cache.block_table import blocks_needed
 from kvscope.models.llama import StepAborted
 from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
 
-from .scheduler import Scheduler, ScheduledStep, Sequence
+from .scheduler import ScheduledStep, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 

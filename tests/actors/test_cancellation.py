@@ -111,7 +111,10 @@ async def test_caller_scope_cancelled_cancels_the_request():
                     scope.cancel()
         assert scope.cancelled_caught
         assert_cancelled(engine, request.id, "scope")
-        assert engine.stats()["kv_blocks_in_use"] == 0 or engine.registry.get(request.id).waited_for_step
+        assert (
+            engine.stats()["kv_blocks_in_use"] == 0
+            or engine.registry.get(request.id).waited_for_step
+        )
 
 
 async def test_move_on_after_around_generate_cancels_and_frees():
@@ -223,8 +226,12 @@ async def test_cancel_of_an_unknown_id_is_not_found():
 async def test_other_requests_are_untouched_by_cancels_around_them():
     async with open_engine(max_num_batched_tokens=64) as engine:
         prompts = [f"survivor number {i}" for i in range(3)]
-        alone = [await engine.generate(p, max_tokens=40, temperature=0, ignore_eos=True) for p in prompts]
-        survivors = [await engine.submit(p, max_tokens=40, temperature=0, ignore_eos=True) for p in prompts]
+        alone = [
+            await engine.generate(p, max_tokens=40, temperature=0, ignore_eos=True) for p in prompts
+        ]
+        survivors = [
+            await engine.submit(p, max_tokens=40, temperature=0, ignore_eos=True) for p in prompts
+        ]
         victims = [await engine.submit(f"victim {i} " * 20, **LONG) for i in range(6)]
         for i, victim in enumerate(victims):
             await wait_for(lambda v=victim, i=i: v.info().tokens_generated > i)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from kvscope import Engine, EngineClosed, InvalidRequest, RequestConflict, SamplingParams, UnknownRequest
+from kvscope import (
+    Engine,
+    EngineClosed,
+    InvalidRequest,
+    RequestConflict,
+    SamplingParams,
+    UnknownRequest,
+)
 from tests.conftest import audit_lines, open_engine
 
 pytestmark = pytest.mark.anyio
@@ -15,7 +22,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 async def test_streamed_deltas_add_up_to_the_result(engine: Engine):
-    async with engine.request("Once upon a time", SamplingParams(max_tokens=24, **GREEDY)) as request:
+    async with engine.request(
+        "Once upon a time", SamplingParams(max_tokens=24, **GREEDY)
+    ) as request:
         deltas = [delta async for delta in request]
     result = request.result
     assert result.finish_reason == "length"
@@ -48,8 +57,10 @@ async def test_seeded_sampling_is_the_same_alone_and_batched(engine: Engine):
     results = {}
     async with anyio.create_task_group() as tg:
         for i in range(4):
+
             async def run(i: int = i) -> None:
                 results[i] = await engine.generate("batch me" if i == 0 else f"noise {i}", **params)
+
             tg.start_soon(run)
     assert results[0].token_ids == alone.token_ids
 
@@ -106,7 +117,7 @@ async def test_invalid_requests_raise_invalid_request(engine: Engine, bad: dict)
     assert engine.stats()["live_requests"] == 0
 
 
-@pytest.mark.parametrize("prompt", ["", [], [1, 99999], "x".encode(), [1.5]])
+@pytest.mark.parametrize("prompt", ["", [], [1, 99999], b"x", [1.5]])
 async def test_bad_prompts_are_rejected(engine: Engine, prompt: object):
     with pytest.raises(InvalidRequest):
         await engine.generate(prompt)  # type: ignore[arg-type]
@@ -146,10 +157,22 @@ async def test_stats_and_request_info(engine: Engine):
     assert info.status == "finished" and info.priority == 3 and info.owner == "key-a"
     assert info.as_dict()["tokens_generated"] == len(result.token_ids) == 4
     stats = engine.stats()
-    for key in ("kv_blocks_total", "kv_blocks_free", "kv_blocks_in_use", "kv_blocks_cached",
-                "running", "waiting", "finished", "cancelled", "failed"):
+    for key in (
+        "kv_blocks_total",
+        "kv_blocks_free",
+        "kv_blocks_in_use",
+        "kv_blocks_cached",
+        "running",
+        "waiting",
+        "finished",
+        "cancelled",
+        "failed",
+    ):
         assert key in stats
-    assert stats["kv_blocks_free"] + stats["kv_blocks_in_use"] + stats["kv_blocks_cached"] == stats["kv_blocks_total"]
+    assert (
+        stats["kv_blocks_free"] + stats["kv_blocks_in_use"] + stats["kv_blocks_cached"]
+        == stats["kv_blocks_total"]
+    )
     assert stats["finished"] >= 1
 
 

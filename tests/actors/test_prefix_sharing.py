@@ -18,7 +18,10 @@ async def test_children_share_the_parents_prompt_blocks():
         parent = await engine.submit(PROMPT, max_tokens=2000, **GREEDY)
         await wait_for(lambda: parent.info().tokens_generated >= 1)
         before = engine.stats()["kv_blocks_in_use"]
-        children = [await engine.submit(PROMPT, parent=parent.id, max_tokens=2000, **GREEDY) for _ in range(3)]
+        children = [
+            await engine.submit(PROMPT, parent=parent.id, max_tokens=2000, **GREEDY)
+            for _ in range(3)
+        ]
         await wait_for(lambda: all(c.info().tokens_generated >= 1 for c in children))
         grown = engine.stats()["kv_blocks_in_use"] - before
         # A full copy would be 6 blocks each; a child shares 4 and copies on write the
@@ -63,6 +66,8 @@ async def test_parent_and_children_generate_the_same_greedy_tokens():
     async with open_engine() as engine:
         alone = await engine.generate(PROMPT, max_tokens=24, **GREEDY)
         parent = await engine.submit(PROMPT, max_tokens=24, **GREEDY)
-        children = [await engine.submit(PROMPT, parent=parent.id, max_tokens=24, **GREEDY) for _ in range(2)]
+        children = [
+            await engine.submit(PROMPT, parent=parent.id, max_tokens=24, **GREEDY) for _ in range(2)
+        ]
         results = [await job.wait() for job in (parent, *children)]
         assert all(r.token_ids == alone.token_ids for r in results)

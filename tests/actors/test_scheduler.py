@@ -14,10 +14,21 @@ from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
 
 
-def make(num_blocks: int = 16, *, block_size: int = 4, budget: int = 64, seqs: int = 8, watermark: float = 0.0):
+def make(
+    num_blocks: int = 16,
+    *,
+    block_size: int = 4,
+    budget: int = 64,
+    seqs: int = 8,
+    watermark: float = 0.0,
+):
     pool = BlockPool(num_blocks)
     return pool, Scheduler(
-        pool, block_size=block_size, max_num_seqs=seqs, max_num_batched_tokens=budget, watermark=watermark
+        pool,
+        block_size=block_size,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        watermark=watermark,
     )
 
 
@@ -207,7 +218,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.pool.check_integrity()
-        waiting = [s for s in self.live if s.status in (RequestStatus.QUEUED, RequestStatus.PREEMPTED)]
+        waiting = [
+            s for s in self.live if s.status in (RequestStatus.QUEUED, RequestStatus.PREEMPTED)
+        ]
         assert self.sched.num_waiting == len(waiting)
         running = [s for s in self.live if s.status is RequestStatus.RUNNING]
         assert sorted(map(id, running)) == sorted(map(id, self.sched.running))

@@ -19,23 +19,33 @@ pytestmark = pytest.mark.anyio
 NUM_REQUESTS = 300
 
 
-async def drive(engine: Engine, rng: random.Random, ids: list[str], release_seconds: list[float]) -> None:
+async def drive(
+    engine: Engine, rng: random.Random, ids: list[str], release_seconds: list[float]
+) -> None:
     async def one(index: int) -> None:
         prompt = [rng.randrange(256) for _ in range(rng.randint(4, 120))]
-        params = {"max_tokens": rng.randint(1, 80), "temperature": rng.choice([0, 0.8]), "ignore_eos": True}
+        params = {
+            "max_tokens": rng.randint(1, 80),
+            "temperature": rng.choice([0, 0.8]),
+            "ignore_eos": True,
+        }
         priority = rng.randint(0, 3)
         fate = rng.random()
         parent = rng.choice(ids) if ids and fate < 0.15 else None
         try:
             if fate < 0.25:  # the caller's scope ends at a random moment
                 with anyio.move_on_after(rng.random() * 0.05):
-                    async with engine.request(prompt, priority=priority, parent=parent, **params) as req:
+                    async with engine.request(
+                        prompt, priority=priority, parent=parent, **params
+                    ) as req:
                         ids.append(req.id)
                         async for _ in req:
                             pass
                 return
             timeout = rng.random() * 0.05 if fate < 0.35 else None
-            job = await engine.submit(prompt, priority=priority, parent=parent, timeout=timeout, **params)
+            job = await engine.submit(
+                prompt, priority=priority, parent=parent, timeout=timeout, **params
+            )
             ids.append(job.id)
             if fate < 0.7:  # cancelled by id at a random moment
                 await anyio.sleep(rng.random() * 0.03)
