@@ -11,15 +11,26 @@ per layer) and says where each goes:
   already in the cache (plain `is_causal` when there are none).
 
 There are no per-token Python loops; grouped-query attention uses SDPA's `enable_gqa`.
+
+The decode rows go through `decode_backend(device)`: the Triton kernel
+(`triton_attention.py`) for CUDA tensors, torch_npu's fused attention (`npu.py`) for
+Ascend tensors, and `reference_decode` here otherwise, or when the device's kernel is
+unavailable. Setting `KVSCOPE_ATTENTION=reference` forces the reference everywhere.
+Both device modules are imported lazily, on the first step on their device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Callable, Sequence
+from functools import cache
 
 import attrs
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -37,6 +48,7 @@ class AttentionMetadata:
     num_decode: int
     decode_tables: torch.Tensor | None  # [num_decode, max_blocks] (padded with block 0)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -62,15 +74,14 @@ def build_metadata(
     num_decode = 0
     while num_decode < len(lengths) and lengths[num_decode] == 1:
         num_decode += 1
-    decode_tables = decode_mask = None
+    decode_tables = decode_mask = lens = None
     if num_decode:
         context = [starts[i] + 1 for i in range(num_decode)]
         width = max(len(block_tables[i]) for i in range(num_decode))
         padded = [list(block_tables[i]) + [0] * (width - len(block_tables[i])) for i in range(num_decode)]
         decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        positions = torch.arange(width * block_size, device=device)
-        lens = torch.tensor(context, device=device)
-        decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        lens = torch.tensor(context, dtype=torch.int32, device=device)
+        decode_mask = padding_mask(lens, width * block_size)
 
     prefills = []
     row = num_decode
@@ -86,7 +97,13 @@ def build_metadata(
             mask = k_pos[None, :] <= q_pos[:, None]
         prefills.append(PrefillSpan(row, row + length, blocks, context_len, mask))
         row += length
-    return AttentionMetadata(slot_mapping, num_decode, decode_tables, decode_mask, tuple(prefills))
+    return AttentionMetadata(slot_mapping, num_decode, decode_tables, decode_mask, lens, tuple(prefills))
+
+
+def padding_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[batch, 1, 1, width] bool: True where a position is inside the context."""
+    positions = torch.arange(width, device=context_lens.device)
+    return (positions[None, :] < context_lens[:, None])[:, None, None, :]
 
 
 def paged_attention(
@@ -112,12 +129,15 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if meta.num_decode:
         n = meta.num_decode
-        keys = _gather(key_cache, meta.decode_tables)
-        values = _gather(value_cache, meta.decode_tables)
-        q = query[:n].unsqueeze(2)  # [n, heads, 1, dim]
-        out[:n] = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        ).squeeze(2)
+        assert meta.decode_tables is not None and meta.decode_context_lens is not None
+        decode = decode_backend(query.device.type)
+        if decode is reference_decode:
+            out[:n] = reference_decode(
+                query[:n], key_cache, value_cache, meta.decode_tables, meta.decode_context_lens,
+                scale, mask=meta.decode_mask,
+            )
+        else:
+            out[:n] = decode(query[:n], key_cache, value_cache, meta.decode_tables, meta.decode_context_lens, scale)
     for span in meta.prefills:
         keys = _gather(key_cache, span.blocks[None])[..., : span.context_len, :]
         values = _gather(value_cache, span.blocks[None])[..., : span.context_len, :]
@@ -133,6 +153,51 @@ def paged_attention(
         )
         out[span.start : span.end] = attended[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+DecodeFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
+def reference_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention in torch: query [batch, heads, dim] over each row's blocks
+    ([batch, max_blocks] ids, `context_lens` tokens); returns [batch, heads, dim]."""
+    keys = _gather(key_cache, block_tables)
+    values = _gather(value_cache, block_tables)
+    if mask is None:
+        mask = padding_mask(context_lens, keys.shape[2])
+    return F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    ).squeeze(2)
+
+
+@cache
+def decode_backend(device_type: str) -> DecodeFn:
+    """The decode kernel for tensors on `device_type` (resolved once per type)."""
+    if os.environ.get("KVSCOPE_ATTENTION", "auto") == "reference":
+        return reference_decode
+    if device_type == "cuda":
+        try:
+            from .triton_attention import paged_decode
+        except ImportError as exc:
+            log.warning("Triton is unavailable (%s); CUDA decode uses the torch reference", exc)
+            return reference_decode
+        return paged_decode
+    if device_type == "npu":
+        from .npu import NpuDecode
+
+        return NpuDecode(fallback=reference_decode)
+    return reference_decode
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

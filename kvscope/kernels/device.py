@@ -29,10 +29,11 @@ def select_device(name: str = "auto") -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("cpu")
-    if name == "npu" and not npu_available():
-        raise ValueError("device 'npu' asked for, but torch_npu or an Ascend device is missing")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for, but no CUDA device is available")
+    kind = name.split(":", 1)[0]
+    if kind == "npu" and not npu_available():
+        raise ValueError(f"device {name!r} asked for, but torch_npu or an Ascend device is missing")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
     if name not in ("cpu", "cuda", "npu") and not name.startswith(("cuda:", "npu:")):
         raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or npu")
     return torch.device(name)
