@@ -75,7 +75,9 @@ class Server:
         self.port = sock.getsockname()[1]
         config = HypercornConfig()
         config.bind = [f"fd://{sock.detach()}"]
-        config.graceful_timeout = self.settings.graceful_timeout
+        # Our own shutdown waits (up to graceful_timeout) until every stream has ended;
+        # what hypercorn still holds then is idle keep-alive connections.
+        config.graceful_timeout = 1.0
         config.websocket_max_message_size = self.settings.max_body_bytes
         config.errorlog = logging.getLogger("hypercorn.error")  # through our logging, once
         async with Engine.open(**self.engine_kwargs) as engine:

@@ -37,7 +37,7 @@ class ServerSettings:
     max_body_bytes: int = attrs.field(default=1 << 20, validator=v.gt(0))
     #: On SIGINT/SIGTERM, let live requests finish for this long before cancelling them.
     drain_timeout: float = attrs.field(default=0.0, validator=v.ge(0.0))
-    #: Seconds hypercorn waits for connections to close once streams have ended.
+    #: Seconds shutdown waits for requests to end and streams to send their last event.
     graceful_timeout: float = attrs.field(default=5.0, validator=v.gt(0.0))
     #: Seconds between two event-loop lag samples of the monitor task.
     lag_interval: float = attrs.field(default=0.05, validator=v.gt(0.0))
