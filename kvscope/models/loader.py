@@ -322,7 +322,7 @@ def load_checkpoint(
     if unused:
         log.warning("%s: ignoring %d tensor(s) the decoder does not use, e.g. %s", directory, len(unused), unused[0])
     model = LlamaModel(config, weights, dtype=torch_dtype, device=device)
-    defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
+    defaults: dict[str, Any] = {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
     return LoadedModel(
         name=name or directory.name,
         model=model,

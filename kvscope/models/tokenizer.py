@@ -28,13 +28,14 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """Bytes are tokens: id b for byte b, then BOS and EOS."""
 
-    bos_token_id = 256
-    eos_token_ids = (257,)
+    BOS = 256
+    bos_token_id: int | None = BOS
+    eos_token_ids: tuple[int, ...] = (257,)
     vocab_size = 258
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
-        return [self.bos_token_id, *ids] if add_special_tokens else ids
+        return [self.BOS, *ids] if add_special_tokens else ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")

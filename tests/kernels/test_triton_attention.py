@@ -17,7 +17,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from kvscope.kernels.attention import build_metadata, decode_backend, paged_attention, reference_decode
+from kvscope.kernels.attention import (
+    build_metadata,
+    decode_backend,
+    paged_attention,
+    reference_decode,
+)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'kvscope[cuda]')")
 
