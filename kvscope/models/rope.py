@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
