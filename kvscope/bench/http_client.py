@@ -68,7 +68,9 @@ async def stream_completion(
             event = json.loads(data)
             if event.get("usage"):
                 usage = event["usage"].get("completion_tokens")
-            if event.get("choices"):
+            choice = (event.get("choices") or [None])[0]
+            # A token's chunk; not a closing chunk that only carries the finish reason.
+            if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
                 times.append(time.perf_counter())
     return {"start": t0, "token_times": times, "tokens": usage if usage is not None else len(times)}
 

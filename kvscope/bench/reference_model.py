@@ -29,14 +29,14 @@ SHAPE = {
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 
 
-def training_text() -> list[str]:
+def training_text(limit: int | None = None) -> list[str]:
     """Offline English and Python text: the help topics that ship with CPython."""
     from pydoc_data.topics import topics
 
-    return [topics[name] for name in sorted(topics)]
+    return [topics[name] for name in sorted(topics)[:limit]]
 
 
-def build_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
+def build_tokenizer(vocab_size: int, text_limit: int | None = None):  # -> transformers.PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +49,7 @@ def build_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(training_text(), trainer=trainer)
+    tok.train_from_iterator(training_text(text_limit), trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
@@ -59,15 +59,21 @@ def build_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
     )
 
 
-def build_reference_model(directory: Path, *, seed: int = 0) -> Path:
-    """Write the reference checkpoint (config, safetensors, tokenizer) to `directory`."""
+def build_reference_model(
+    directory: Path, *, seed: int = 0, shape: dict[str, int] | None = None, text_limit: int | None = None
+) -> Path:
+    """Write the reference checkpoint (config, safetensors, tokenizer) to `directory`.
+
+    `shape` overrides the model's sizes and `text_limit` the tokenizer's training text
+    (the tests build a tiny checkpoint this way)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory).expanduser()
-    tokenizer = build_tokenizer(SHAPE["vocab_size"])
+    sizes = {**SHAPE, **(shape or {})}
+    tokenizer = build_tokenizer(sizes["vocab_size"], text_limit)
     config = LlamaConfig(
-        **SHAPE,
+        **sizes,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
