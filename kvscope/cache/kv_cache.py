@@ -1,8 +1,8 @@
 """The paged K/V tensors: one preallocated key and value tensor per layer.
 
-Shape `[num_blocks, block_size, num_kv_heads, head_dim]`, so slot `s` of the flat view
-`[num_blocks * block_size, heads, dim]` is block `s // block_size`, offset
-`s % block_size`. Which block belongs to whom is the `BlockPool`'s business; this class
+Shape `[num_blocks, block_size, num_kv_heads, head_dim]` (a view: the storage is
+head-major except on Ascend, see `__init__`), and slot `s` is block `s // block_size`,
+offset `s % block_size`. Which block belongs to whom is the `BlockPool`'s business; this class
 only holds the memory and copies blocks for copy-on-write.
 """
 
@@ -23,10 +23,21 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Head-major storage ([kv_heads, blocks, slots, dim]) seen through a
+        # [blocks, slots, kv_heads, dim] view: a batch's blocks then gather into one
+        # contiguous tensor per head, as the reference decode kernel wants. Ascend's
+        # fused kernels read the cache block-major, so it is stored that way there.
+        head_major = device.type != "npu"
+
+        def allocate() -> torch.Tensor:
+            if head_major:
+                storage = torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+                return storage.permute(1, 2, 0, 3)
+            return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+        self.keys = [allocate() for _ in range(num_layers)]
+        self.values = [allocate() for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(

@@ -120,11 +120,8 @@ def paged_attention(
     `query` is [tokens, heads, dim]; returns [tokens, heads * dim].
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    flat_keys = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_values = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_keys.index_copy_(0, meta.slot_mapping, key)
-    flat_values.index_copy_(0, meta.slot_mapping, value)
+    write_slots(key_cache, meta.slot_mapping, key)
+    write_slots(value_cache, meta.slot_mapping, value)
 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if meta.num_decode:
@@ -171,14 +168,23 @@ def reference_decode(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention in torch: query [batch, heads, dim] over each row's blocks
-    ([batch, max_blocks] ids, `context_lens` tokens); returns [batch, heads, dim]."""
-    keys = _gather(key_cache, block_tables)
-    values = _gather(value_cache, block_tables)
+    ([batch, max_blocks] ids, `context_lens` tokens); returns [batch, heads, dim].
+
+    Two batched matrix multiplies with the query heads grouped under their KV head:
+    for one query row, this is several times faster on the CPU than
+    `scaled_dot_product_attention`, whose CPU kernels are built for long queries.
+    Scores and softmax are in float32."""
+    batch, heads, dim = query.shape
+    keys = _gather_head_major(key_cache, block_tables)  # [kv_heads, batch, width, dim]
+    values = _gather_head_major(value_cache, block_tables)
+    kv_heads, _, width, _ = keys.shape
+    grouped = query.view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # [kvh, b, g, w]
     if mask is None:
-        mask = padding_mask(context_lens, keys.shape[2])
-    return F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    ).squeeze(2)
+        mask = padding_mask(context_lens, width)
+    scores.masked_fill_(~mask.view(1, batch, 1, width), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).transpose(0, 1).reshape(batch, heads, dim)
 
 
 @cache
@@ -200,8 +206,28 @@ def decode_backend(device_type: str) -> DecodeFn:
     return reference_decode
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[batch, max_blocks] block ids -> [batch, kv_heads, max_blocks * block_size, dim]."""
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write `values` ([tokens, kv_heads, dim]) into flat cache `slots` of `cache`
+    ([blocks, block_size, kv_heads, dim], head-major or block-major storage)."""
+    num_blocks, block_size, heads, dim = cache.shape
+    head_major = cache.permute(2, 0, 1, 3)
+    if head_major.is_contiguous():
+        head_major.view(heads, num_blocks * block_size, dim).index_copy_(1, slots, values.transpose(0, 1))
+    else:
+        cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slots, values)
+
+
+def _gather_head_major(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[batch, max_blocks] block ids -> [kv_heads, batch, max_blocks * block_size, dim].
+
+    With the cache's head-major storage (see `KVCache`) this is one `index_select` into
+    a contiguous result, laid out as the batched matrix multiplies want it."""
     batch, width = tables.shape
     _, block_size, heads, dim = cache.shape
-    return cache[tables].view(batch, width * block_size, heads, dim).transpose(1, 2)
+    gathered = cache.permute(2, 0, 1, 3).index_select(1, tables.reshape(-1))
+    return gathered.view(heads, batch, width * block_size, dim)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[batch, max_blocks] block ids -> [batch, kv_heads, max_blocks * block_size, dim]."""
+    return _gather_head_major(cache, tables).transpose(0, 1)
