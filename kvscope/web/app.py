@@ -9,7 +9,7 @@ hypercorn inside it, so the engine outlives every connection.
 
 from __future__ import annotations
 
-from quart import Quart
+from quart import Quart, request
 from quart_schema import QuartSchema
 from quart_trio import QuartTrio
 
@@ -44,7 +44,19 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, metrics: 
         security=[{"bearer": []}] if settings.api_keys else None,
     )
     errors.register(app, retry_after=settings.retry_after)
+    app.before_request(_read_body_first)
     auth.register(app)
     for module in (jobs, streaming, websocket, openai, observability, dashboard):
         app.register_blueprint(module.blueprint)
     return app
+
+
+async def _read_body_first() -> None:
+    """Read (and cache) the whole body before anything may answer without it.
+
+    On quart-trio, answering a request (a 401, a 404) without reading its body leaves
+    the rest of the body in the connection, and the next request on that keep-alive
+    connection hangs. Bodies are capped by MAX_CONTENT_LENGTH (413), so this is cheap.
+    """
+    if request.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in request.headers:
+        await request.get_data(cache=True)

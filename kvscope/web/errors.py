@@ -79,6 +79,8 @@ def error_response(error: ApiError) -> Response:
     response.status_code = error.status
     for name, value in error.headers.items():
         response.headers[name] = value
+    if error.status == 413:  # the rest of the body is still on the wire: start afresh
+        response.headers["Connection"] = "close"
     return response
 
 
