@@ -1,0 +1,53 @@
+"""GET /stats, /metrics and /health; a drained shutdown (503 while draining)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .conftest import LONG, Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
+
+
+def test_stats_metrics_health(live: Live) -> None:
+    with live.client() as client:
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "ok", "ready": True, "model": "tiny-random"}
+        done = client.post("/generate", json={"prompt": "a", "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json()
+        gone = client.post("/generate", json={"prompt": "b", **LONG}).json()
+        wait_tokens(client, gone["id"])
+        stats = client.get("/stats").json()
+        assert stats["live_requests"] >= 1 and stats["kv_blocks_in_use"] >= 1
+        assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_in_use"] + stats["kv_blocks_cached"]
+        client.delete(f"/requests/{gone['id']}")
+        wait_status(client, done["id"])
+        wait_clean(live)
+        stats = client.get("/stats").json()
+        assert stats["kv_blocks_in_use"] == 0 and stats["cancelled"] == 1 and stats["finished"] == 1
+        text = client.get("/metrics").text
+    for needle in (
+        'kvscope_requests_total{finish_reason="length"} 1.0',
+        'kvscope_requests_total{finish_reason="cancelled"} 1.0',
+        'kvscope_cancellations_total{reason="user"} 1.0',
+        "kvscope_time_to_first_token_seconds_count 2.0",
+        "kvscope_inter_token_latency_seconds_count",
+        "kvscope_cancel_to_release_seconds_count 1.0",
+        'kvscope_kv_blocks{state="in_use"} 0.0',
+        "kvscope_queue_depth 0.0",
+        "kvscope_event_loop_lag_seconds_count",
+        "kvscope_step_forward_seconds_count",
+    ):
+        assert needle in text, needle
+
+
+def test_drain_then_shutdown(backend: str, tmp_path: Path) -> None:
+    with running_server(backend, tmp_path, drain_timeout=30.0) as live, live.client() as client:
+        job = client.post("/generate", json={"prompt": "finish me", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}).json()
+        wait_tokens(client, job["id"])
+        live.portal.call(live.server.request_shutdown)
+        wait_for(lambda: client.get("/health").status_code == 503, what="/health to say shutting down")
+        refused = client.post("/generate", json={"prompt": "late"})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "unavailable_error"
+        engine = live.server.engine
+        assert engine is not None
+        wait_for(lambda: live.portal.call(engine.get, job["id"]).status == "finished", what="the drained request")
+    record = live.audit()[job["id"]]
+    assert record["finish_reason"] == "length" and record["generated_tokens"] == 1500

@@ -1,0 +1,111 @@
+"""SIGTERM on `kvscope serve` with streams in flight: every stream (SSE, OpenAI SSE,
+WebSocket) ends with a final event, each request has its audit line with reason
+`shutdown`, and the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.sync.client import connect
+
+from .conftest import BACKENDS, LONG, sse_events
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Reader(threading.Thread):
+    """Reads one stream to its end in a thread; `started` once a token arrived."""
+
+    def __init__(self, kind: str, url: str) -> None:
+        super().__init__(daemon=True)
+        self.kind, self.url = kind, url
+        self.started = threading.Event()
+        self.events: list[Any] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self.kind == "ws":
+                self._websocket()
+            else:
+                self._sse()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+            self.started.set()
+
+    def _sse(self) -> None:
+        path, body = ("/generate", {"prompt": "sse", "stream": True, **LONG}) if self.kind == "sse" else (
+            "/v1/completions", {"prompt": "oai", "stream": True, "max_tokens": 3000, "temperature": 0, "ignore_eos": True})
+        with httpx.Client(base_url=self.url, timeout=60) as client, client.stream("POST", path, json=body) as response:
+            self.request_id = response.headers["x-request-id"]
+            for event in sse_events(response.iter_lines()):
+                self.events.append(event)
+                self.started.set()
+
+    def _websocket(self) -> None:
+        with connect(self.url.replace("http://", "ws://") + "/ws/generate") as ws:
+            ws.send(json.dumps({"prompt": "ws", **LONG}))
+            for message in ws:
+                event = json.loads(message)
+                self.events.append(event)
+                if event["type"] == "start":
+                    self.request_id = event["id"]
+                if event["type"] == "token":
+                    self.started.set()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_with_streams_in_flight(backend: str, tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvscope.cli", "serve", "--model", "tiny-random", "--device", "cpu", "--port", "0",
+         "--backend", backend, "--audit-log", str(audit), "--num-kv-blocks", "1024", "--debug"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # blocks until the server printed where it listens
+        match = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert match, line + (process.stderr.read() if process.poll() is not None and process.stderr else "")
+        url = match.group(0)
+        readers = [_Reader(kind, url) for kind in ("sse", "sse", "openai", "ws")]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            assert reader.started.wait(60), reader.kind
+            assert reader.error is None, reader.error
+        process.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(60)
+            assert not reader.is_alive(), f"{reader.kind} stream did not end"
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr[-3000:]
+    records = {r["id"]: r for r in map(json.loads, audit.read_text().splitlines())}
+    for reader in readers:
+        assert reader.error is None, (reader.kind, reader.error)
+        if reader.kind == "openai":
+            assert reader.events[-1] == "[DONE]"
+            final = reader.events[-2]["choices"][0]
+            assert final["finish_reason"] == "cancelled"
+        else:
+            final = reader.events[-1]
+            assert final["type"] == "done" and final["status"] == "cancelled" and final["cancel_reason"] == "shutdown"
+        record = records[reader.request_id]
+        assert record["finish_reason"] == "cancelled" and record["cancel_reason"] == "shutdown"
+    assert "KV blocks still in use" not in stderr
