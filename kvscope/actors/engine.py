@@ -395,7 +395,8 @@ class Engine:
             raise InvalidRequest(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
         try:
             if params is None:
-                return SamplingParams(**sampling)
+                # The checkpoint's generation_config.json supplies what the caller left out.
+                return SamplingParams(**{**self.loaded.generation_defaults, **sampling})
             return attrs.evolve(params, **sampling) if sampling else params
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None

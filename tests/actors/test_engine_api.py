@@ -197,3 +197,14 @@ async def test_drain_waits_for_live_requests_and_stops_accepting():
         assert job.done and not engine.accepting
         with pytest.raises(EngineClosed):
             await engine.submit("after drain")
+
+
+async def test_the_checkpoints_generation_defaults_fill_in_unset_sampling_fields(engine: Engine):
+    import attrs
+
+    engine.loaded = attrs.evolve(engine.loaded, generation_defaults={"temperature": 0.0})
+    greedy = await engine.generate("defaults", max_tokens=12, temperature=0, ignore_eos=True)
+    defaulted = await engine.generate("defaults", max_tokens=12, ignore_eos=True)
+    assert defaulted.token_ids == greedy.token_ids
+    hot = await engine.generate("defaults", max_tokens=12, temperature=1.5, seed=1, ignore_eos=True)
+    assert hot.token_ids != greedy.token_ids  # an explicit value still wins
