@@ -84,3 +84,14 @@ class StepGate:
 
 def audit_lines(engine: Engine, request_id: str) -> list[dict[str, Any]]:
     return [r for r in engine.audit_records() if r["id"] == request_id]
+
+
+#: Lines a test wants shown at the end of the run (e.g. measured figures).
+REPORT_LINES: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REPORT_LINES:
+        terminalreporter.section("kvscope figures")
+        for line in REPORT_LINES:
+            terminalreporter.write_line(line)

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from kvscope import Engine, RequestConflict, UnknownRequest
-from tests.conftest import open_engine
+from tests.conftest import REPORT_LINES, open_engine
 
 pytestmark = pytest.mark.anyio
 
@@ -88,8 +88,8 @@ async def test_stress_random_cancels_preemption_and_children(anyio_backend: str)
     assert preemptions > 0, "the pool was meant to be small enough to preempt"
     assert len(release_seconds) > 20
     cuts = statistics.quantiles(release_seconds, n=100)
-    print(
-        f"\n[{anyio_backend}] {len(ids)} requests, {stats['cancelled']} cancelled, "
+    REPORT_LINES.append(
+        f"stress [{anyio_backend}]: {len(ids)} requests, {stats['cancelled']} cancelled, "
         f"{preemptions} preemptions; cancel-to-release over {len(release_seconds)} cancels by id: "
         f"p50 {cuts[49] * 1000:.2f} ms, p99 {cuts[98] * 1000:.2f} ms"
     )
