@@ -52,6 +52,11 @@ class Live:
         lines = self.audit_path.read_text().splitlines()
         return {record["id"]: record for record in map(json.loads, lines)}
 
+    def audit_record(self, request_id: str) -> dict[str, Any]:
+        """The request's audit line, once written (at the release of its blocks, which
+        can come a step after its status reads final)."""
+        return wait_for(lambda: self.audit().get(request_id), what=f"the audit line of {request_id}")
+
     def stats(self) -> dict[str, Any]:
         assert self.server.engine is not None
         return self.portal.call(self.server.engine.stats)

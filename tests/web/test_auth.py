@@ -47,6 +47,6 @@ def test_keys(backend: str, tmp_path: Path) -> None:
                 with pytest.raises(openai.AuthenticationError):
                     oai.models.list()
         wait_clean(live)
-        record = live.audit()[job["id"]]
+        record = live.audit_record(job["id"])
         assert record["key"] == key_id("alpha") and record["cancelled_by"] == key_id("alpha")
         assert "alpha" not in live.audit_path.read_text()

@@ -16,7 +16,7 @@ def test_generate_runs_a_detached_job(live: Live) -> None:
         assert info["tokens_generated"] == 8 and len(info["token_ids"]) == 8
         assert info["prompt_tokens"] == 6 and info["parent"] is None and info["children"] == []
         assert "owner" not in info
-    assert live.audit()[body["id"]]["finish_reason"] == "length"
+    assert live.audit_record(body["id"])["finish_reason"] == "length"
     assert wait_clean(live)["kv_blocks_in_use"] == 0
 
 
@@ -44,7 +44,7 @@ def test_delete_cancels_with_reason_user(live: Live) -> None:
         # twice: the second finds it ended
         again = client.delete(f"/requests/{job['id']}")
         assert again.status_code == 409 and again.json()["error"]["status"] == "cancelled"
-    record = live.audit()[job["id"]]
+    record = live.audit_record(job["id"])
     assert record["cancel_reason"] == "user" and record["cancelled_by"] == "api"
     wait_clean(live)
 
@@ -72,7 +72,7 @@ def test_delete_cancels_children(live: Live) -> None:
         info = wait_status(client, child["id"])
         assert info["status"] == "cancelled" and info["parent"] == parent["id"]
         assert info["cancel_reason"] == "parent"
-    assert live.audit()[child["id"]]["cancel_reason"] == "parent"
+    assert live.audit_record(child["id"])["cancel_reason"] == "parent"
     wait_clean(live)
 
 
@@ -81,5 +81,5 @@ def test_timeout_cancels_with_reason_timeout(live: Live) -> None:
         job = client.post("/generate", json={"prompt": "slow", "timeout": 0.3, **LONG}).json()
         info = wait_status(client, job["id"])
         assert info["status"] == "cancelled" and info["cancel_reason"] == "timeout"
-    assert live.audit()[job["id"]]["cancel_reason"] == "timeout"
+    assert live.audit_record(job["id"])["cancel_reason"] == "timeout"
     wait_clean(live)

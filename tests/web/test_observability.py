@@ -49,5 +49,5 @@ def test_drain_then_shutdown(backend: str, tmp_path: Path) -> None:
         engine = live.server.engine
         assert engine is not None
         wait_for(lambda: live.portal.call(engine.get, job["id"]).status == "finished", what="the drained request")
-    record = live.audit()[job["id"]]
+    record = live.audit_record(job["id"])
     assert record["finish_reason"] == "length" and record["generated_tokens"] == 1500

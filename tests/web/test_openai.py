@@ -73,7 +73,7 @@ def test_closing_a_stream_cancels_every_sample(live: Live, client: openai.OpenAI
         for child in parent["children"]:
             info = wait_status(http, child)
             assert info["status"] == "cancelled" and info["cancel_reason"] == "disconnect"
-    assert live.audit()[first.id]["cancel_reason"] == "disconnect"
+    assert live.audit_record(first.id)["cancel_reason"] == "disconnect"
     wait_clean(live)
 
 

@@ -24,7 +24,7 @@ def test_stream_happy_path(live: Live) -> None:
     done = events[-1]
     assert done["type"] == "done" and done["status"] == "finished" and done["finish_reason"] == "length"
     assert done["completion_tokens"] == 6 and done["text"] == "".join(e["text"] for e in tokens)
-    assert live.audit()[request_id]["generated_tokens"] == 6
+    assert live.audit_record(request_id)["generated_tokens"] == 6
 
 
 def test_closing_the_stream_cancels_and_spares_the_others(live: Live) -> None:
@@ -40,7 +40,7 @@ def test_closing_the_stream_cancels_and_spares_the_others(live: Live) -> None:
         assert info["status"] == "cancelled" and info["cancel_reason"] == "disconnect"
         assert info["tokens_generated"] < LONG["max_tokens"]
         assert wait_status(client, neighbour["id"])["token_ids"] == expected
-    assert live.audit()[request_id]["cancel_reason"] == "disconnect"
+    assert live.audit_record(request_id)["cancel_reason"] == "disconnect"
     wait_clean(live)
 
 

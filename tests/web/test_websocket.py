@@ -50,7 +50,7 @@ def test_websocket_cancel_message(live: Live) -> None:
         info = wait_status(client, start["id"])
         assert info["cancel_reason"] == "user"
         assert wait_status(client, bystander["id"])["token_ids"] == expected
-    assert live.audit()[start["id"]]["cancel_reason"] == "user"
+    assert live.audit_record(start["id"])["cancel_reason"] == "user"
     wait_clean(live)
 
 
@@ -62,5 +62,5 @@ def test_websocket_disconnect_cancels(live: Live) -> None:
     with live.client() as client:
         info = wait_status(client, start["id"])
     assert info["status"] == "cancelled" and info["cancel_reason"] == "disconnect"
-    assert live.audit()[start["id"]]["cancel_reason"] == "disconnect"
+    assert live.audit_record(start["id"])["cancel_reason"] == "disconnect"
     wait_clean(live)
