@@ -19,6 +19,7 @@ def test_keys(backend: str, tmp_path: Path) -> None:
     with running_server(backend, tmp_path, api_keys=("alpha", "beta")) as live:
         with live.client() as anonymous, live.client("alpha") as alpha, live.client("beta") as beta, live.client("wrong") as wrong:
             assert anonymous.get("/health").status_code == 200
+            assert anonymous.get("/").status_code == 200  # the dashboard's page holds no data
             for method, path in [("POST", "/generate"), ("GET", "/requests"), ("GET", "/stats"), ("GET", "/metrics"),
                                  ("GET", "/openapi.json"), ("DELETE", "/requests/req-x"), ("POST", "/v1/completions"),
                                  ("GET", "/v1/models")]:
