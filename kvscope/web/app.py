@@ -21,7 +21,9 @@ from .metrics import Metrics
 from .settings import ServerSettings
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None, metrics: Metrics | None = None) -> Quart:
+def create_app(
+    engine: Engine, settings: ServerSettings | None = None, metrics: Metrics | None = None
+) -> Quart:
     """The kvscope app over `engine`; call inside the event loop that runs the engine."""
     settings = settings or ServerSettings()
     app_class = QuartTrio if settings.backend == "trio" else Quart
@@ -39,8 +41,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, metrics: 
     QuartSchema(
         app,
         info={"title": "kvscope", "version": "0.1.0"},
-        swagger_ui_path=None, redoc_ui_path=None, scalar_ui_path=None,
-        security_schemes={"bearer": {"type": "http", "scheme": "bearer"}} if settings.api_keys else None,
+        swagger_ui_path=None,
+        redoc_ui_path=None,
+        scalar_ui_path=None,
+        security_schemes={"bearer": {"type": "http", "scheme": "bearer"}}
+        if settings.api_keys
+        else None,
         security=[{"bearer": []}] if settings.api_keys else None,
     )
     errors.register(app, retry_after=settings.retry_after)

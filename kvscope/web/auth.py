@@ -17,6 +17,7 @@ from kvscope.actors.messages import RequestInfo
 from .context import server
 from .errors import ApiError
 
+
 def _is_public(path: str) -> bool:
     """Liveness, and the dashboard's page (it asks for a key itself)."""
     return path in ("/health", "/") or path.startswith("/dashboard/")
@@ -33,8 +34,10 @@ def _authenticate(authorization: str | None) -> str | None:
             if hmac.compare_digest(token.encode(), key.encode()):
                 return kid
     raise ApiError(
-        401, "a valid API key is required: send Authorization: Bearer KEY",
-        "authentication_error", headers={"WWW-Authenticate": "Bearer"},
+        401,
+        "a valid API key is required: send Authorization: Bearer KEY",
+        "authentication_error",
+        headers={"WWW-Authenticate": "Bearer"},
     )
 
 

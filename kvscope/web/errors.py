@@ -24,8 +24,13 @@ class ApiError(Exception):
     """An HTTP error with a message for the client."""
 
     def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error", *,
-        headers: dict[str, str] | None = None, param: str | None = None,
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        *,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -66,7 +71,9 @@ def from_engine(exc: engine_errors.KvscopeError, *, retry_after: int = 1) -> Api
     return ApiError(500, str(exc), "internal_error")
 
 
-def error_body(message: str, type_: str, *, param: str | None = None, openai: bool = False) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str, *, param: str | None = None, openai: bool = False
+) -> dict[str, Any]:
     error: dict[str, Any] = {"message": message, "type": type_}
     if openai:
         error.update(param=param, code=None)

@@ -15,7 +15,12 @@ Event = dict[str, Any]
 
 
 def token_event(request_id: str, delta: Delta) -> Event:
-    return {"type": "token", "id": request_id, "text": delta.text, "token_ids": list(delta.token_ids)}
+    return {
+        "type": "token",
+        "id": request_id,
+        "text": delta.text,
+        "token_ids": list(delta.token_ids),
+    }
 
 
 def done_event(engine: Engine, request_id: str) -> Event:
@@ -36,7 +41,9 @@ def done_event(engine: Engine, request_id: str) -> Event:
     }
 
 
-async def request_events(engine: Engine, request_id: str, deltas: AsyncIterator[Delta]) -> AsyncGenerator[Event, None]:
+async def request_events(
+    engine: Engine, request_id: str, deltas: AsyncIterator[Delta]
+) -> AsyncGenerator[Event, None]:
     """Token events for `deltas`, then the `done` event."""
     async for delta in deltas:
         if delta.text or delta.token_ids:

@@ -18,7 +18,15 @@ from .bodies import read_body
 from .context import server
 from .errors import ApiError
 from .events import request_events
-from .schemas import Accepted, CancelReportView, ErrorBody, GenerateBody, RequestList, RequestView, request_view
+from .schemas import (
+    Accepted,
+    CancelReportView,
+    ErrorBody,
+    GenerateBody,
+    RequestList,
+    RequestView,
+    request_view,
+)
 from .sse import StreamBody, sse_response
 
 blueprint = Blueprint("jobs", __name__)
@@ -51,7 +59,9 @@ async def generate() -> Any:
 @document_response(RequestList, 200)
 async def list_requests() -> Any:
     """The caller's live requests (queued or running)."""
-    infos = server().engine.list_requests(owner=current_owner() if server().settings.api_keys else None)
+    infos = server().engine.list_requests(
+        owner=current_owner() if server().settings.api_keys else None
+    )
     return {"requests": [request_view(info.as_dict()) for info in infos]}
 
 
@@ -86,10 +96,14 @@ async def cancel_request(request_id: str) -> Any:
 
 
 def _conflict(request_id: str, status: str) -> Response:
-    response = jsonify({"error": {
-        "message": f"request {request_id!r} has already ended ({status})",
-        "type": "conflict_error",
-        "status": status,
-    }})
+    response = jsonify(
+        {
+            "error": {
+                "message": f"request {request_id!r} has already ended ({status})",
+                "type": "conflict_error",
+                "status": status,
+            }
+        }
+    )
     response.status_code = 409
     return response

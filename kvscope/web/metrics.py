@@ -24,7 +24,23 @@ from kvscope.actors.request import RequestState
 
 log = logging.getLogger("kvscope.web")
 
-_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LATENCY = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -35,17 +51,34 @@ class _EngineGauges(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self._engine.stats()
-        blocks = GaugeMetricFamily("kvscope_kv_blocks", "KV cache blocks by state", labels=["state"])
+        blocks = GaugeMetricFamily(
+            "kvscope_kv_blocks", "KV cache blocks by state", labels=["state"]
+        )
         for state in ("free", "in_use", "cached"):
             blocks.add_metric([state], stats[f"kv_blocks_{state}"])
         yield blocks
-        yield GaugeMetricFamily("kvscope_kv_blocks_total", "KV cache blocks in the pool", value=stats["kv_blocks_total"])
-        yield GaugeMetricFamily("kvscope_kv_usage_ratio", "Fraction of KV blocks in use",
-                                value=stats["kv_blocks_in_use"] / max(1, stats["kv_blocks_total"]))
-        yield GaugeMetricFamily("kvscope_queue_depth", "Requests waiting for admission", value=stats["waiting"])
-        yield GaugeMetricFamily("kvscope_requests_running", "Requests in the running batch", value=stats["running"])
-        yield GaugeMetricFamily("kvscope_requests_live", "Requests not yet ended", value=stats["live_requests"])
-        yield GaugeMetricFamily("kvscope_open_streams", "Open SSE and WebSocket streams", value=self._metrics.open_streams)
+        yield GaugeMetricFamily(
+            "kvscope_kv_blocks_total", "KV cache blocks in the pool", value=stats["kv_blocks_total"]
+        )
+        yield GaugeMetricFamily(
+            "kvscope_kv_usage_ratio",
+            "Fraction of KV blocks in use",
+            value=stats["kv_blocks_in_use"] / max(1, stats["kv_blocks_total"]),
+        )
+        yield GaugeMetricFamily(
+            "kvscope_queue_depth", "Requests waiting for admission", value=stats["waiting"]
+        )
+        yield GaugeMetricFamily(
+            "kvscope_requests_running", "Requests in the running batch", value=stats["running"]
+        )
+        yield GaugeMetricFamily(
+            "kvscope_requests_live", "Requests not yet ended", value=stats["live_requests"]
+        )
+        yield GaugeMetricFamily(
+            "kvscope_open_streams",
+            "Open SSE and WebSocket streams",
+            value=self._metrics.open_streams,
+        )
 
 
 class Metrics:
@@ -54,18 +87,45 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kvscope_requests", "Ended requests by finish reason", ["finish_reason"], registry=r)
-        self.cancellations = Counter("kvscope_cancellations", "Cancelled requests by reason", ["reason"], registry=r)
-        self.prompt_tokens = Counter("kvscope_prompt_tokens", "Prompt tokens of ended requests", registry=r)
-        self.generated_tokens = Counter("kvscope_generation_tokens", "Generated tokens of ended requests", registry=r)
-        self.ttft = Histogram("kvscope_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r)
-        self.itl = Histogram("kvscope_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY, registry=r)
-        self.cancel_release = Histogram(
-            "kvscope_cancel_to_release_seconds", "From the cancel call to the KV blocks' release",
-            buckets=_FAST, registry=r,
+        self.requests = Counter(
+            "kvscope_requests", "Ended requests by finish reason", ["finish_reason"], registry=r
         )
-        self.step_seconds = Histogram("kvscope_step_forward_seconds", "Model forward time per step", buckets=_LATENCY, registry=r)
-        self.loop_lag = Histogram("kvscope_event_loop_lag_seconds", "Event loop wake-up lag", buckets=_FAST, registry=r)
+        self.cancellations = Counter(
+            "kvscope_cancellations", "Cancelled requests by reason", ["reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvscope_prompt_tokens", "Prompt tokens of ended requests", registry=r
+        )
+        self.generated_tokens = Counter(
+            "kvscope_generation_tokens", "Generated tokens of ended requests", registry=r
+        )
+        self.ttft = Histogram(
+            "kvscope_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvscope_inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.cancel_release = Histogram(
+            "kvscope_cancel_to_release_seconds",
+            "From the cancel call to the KV blocks' release",
+            buckets=_FAST,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "kvscope_step_forward_seconds",
+            "Model forward time per step",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "kvscope_event_loop_lag_seconds", "Event loop wake-up lag", buckets=_FAST, registry=r
+        )
         self.open_streams = 0
         #: Tokens generated by ended requests, for the dashboard's tokens/s.
         self.tokens_total = 0
@@ -81,7 +141,9 @@ class Metrics:
             if state.finish_reason == "cancelled":
                 self.cancellations.labels(state.cancel_reason or "unknown").inc()
                 if state.cancel_called_at is not None and state.released_at is not None:
-                    self.cancel_release.observe(max(0.0, state.released_at - state.cancel_called_at))
+                    self.cancel_release.observe(
+                        max(0.0, state.released_at - state.cancel_called_at)
+                    )
             self.prompt_tokens.inc(len(state.prompt_ids))
             self.generated_tokens.inc(len(state.token_ids))
             self.tokens_total += len(state.token_ids)

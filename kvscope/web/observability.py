@@ -41,5 +41,9 @@ async def health() -> Any:
     """Liveness and readiness."""
     ctx = server()
     ready = ctx.engine.accepting and not ctx.shutting_down.is_set()
-    body = {"status": "ok" if ready else "shutting_down", "ready": ready, "model": ctx.engine.model_name}
+    body = {
+        "status": "ok" if ready else "shutting_down",
+        "ready": ready,
+        "model": ctx.engine.model_name,
+    }
     return body, 200 if ready else 503

@@ -36,10 +36,18 @@ blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 async def list_models() -> Any:
     """The one model this server runs."""
     engine = server().engine
-    return {"object": "list", "data": [{
-        "id": engine.model_name, "object": "model", "created": server().started, "owned_by": "kvscope",
-        "max_model_len": engine.max_model_len,
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": engine.model_name,
+                "object": "model",
+                "created": server().started,
+                "owned_by": "kvscope",
+                "max_model_len": engine.max_model_len,
+            }
+        ],
+    }
 
 
 @blueprint.post("/completions")
@@ -70,19 +78,27 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
         return prompt  # type: ignore[return-value]
     if len(prompt) == 1:
         return prompt[0]  # type: ignore[return-value]
-    raise ApiError(400, "send one prompt per request (batched prompts are not supported)", param="prompt")
+    raise ApiError(
+        400, "send one prompt per request (batched prompts are not supported)", param="prompt"
+    )
 
 
-async def _start_samples(ctx: ServerContext, prompt: str | list[int], body: OpenAISampling, max_tokens: int) -> list[Job]:
+async def _start_samples(
+    ctx: ServerContext, prompt: str | list[int], body: OpenAISampling, max_tokens: int
+) -> list[Job]:
     """Sample 0 as the parent, samples 1..n-1 as its children."""
     engine, owner = ctx.engine, current_owner()
-    first = await engine.submit(prompt, priority=body.priority, owner=owner, **body.sampling(max_tokens, 0))
+    first = await engine.submit(
+        prompt, priority=body.priority, owner=owner, **body.sampling(max_tokens, 0)
+    )
     jobs = [first]
     try:
         for index in range(1, body.n):
             sampling = body.sampling(max_tokens, index)
             try:
-                job = await engine.submit(prompt, priority=body.priority, parent=first.id, owner=owner, **sampling)
+                job = await engine.submit(
+                    prompt, priority=body.priority, parent=first.id, owner=owner, **sampling
+                )
             except RequestConflict:  # sample 0 already ended: this one runs on its own
                 job = await engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
             jobs.append(job)
@@ -97,7 +113,14 @@ def _cancel_all(ctx: ServerContext, jobs: list[Job], reason: str) -> None:
         ctx.engine.cancel_nowait(job.id, reason=reason)
 
 
-async def _complete(ctx: ServerContext, prompt: str | list[int], body: OpenAISampling, *, max_tokens: int, chat: bool) -> Any:
+async def _complete(
+    ctx: ServerContext,
+    prompt: str | list[int],
+    body: OpenAISampling,
+    *,
+    max_tokens: int,
+    chat: bool,
+) -> Any:
     jobs = await _start_samples(ctx, prompt, body, max_tokens)
     if body.stream:
         chunks = _chunks(ctx, jobs, body, chat=chat)
@@ -110,7 +133,11 @@ async def _complete(ctx: ServerContext, prompt: str | list[int], body: OpenAISam
             _cancel_all(ctx, jobs, "disconnect")
     choices = []
     for index, result in enumerate(results):
-        choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": result.finish_reason,
+            "logprobs": None,
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
@@ -118,27 +145,38 @@ async def _complete(ctx: ServerContext, prompt: str | list[int], body: OpenAISam
         choices.append(choice)
     prompt_tokens = results[0].prompt_tokens
     completion_tokens = sum(r.completion_tokens for r in results)
-    return {
-        "id": jobs[0].id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": ctx.engine.model_name,
-        "choices": choices,
-        "usage": _usage(prompt_tokens, completion_tokens),
-    }, 200, {"X-Request-Id": jobs[0].id}
+    return (
+        {
+            "id": jobs[0].id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": ctx.engine.model_name,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens),
+        },
+        200,
+        {"X-Request-Id": jobs[0].id},
+    )
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-async def _chunks(ctx: ServerContext, jobs: list[Job], body: OpenAISampling, *, chat: bool) -> AsyncGenerator[dict[str, Any] | str, None]:
+async def _chunks(
+    ctx: ServerContext, jobs: list[Job], body: OpenAISampling, *, chat: bool
+) -> AsyncGenerator[dict[str, Any] | str, None]:
     """The SSE chunks of every sample in turn, the usage chunk if asked, `[DONE]`."""
     request_id, created, model = jobs[0].id, int(time.time()), ctx.engine.model_name
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str | None, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        index: int, text: str | None, finish_reason: str | None, *, role: bool = False
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -147,7 +185,13 @@ async def _chunks(ctx: ServerContext, jobs: list[Job], body: OpenAISampling, *, 
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+        return {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
 
     completion_tokens = 0
     for index, job in enumerate(jobs):
@@ -160,6 +204,12 @@ async def _chunks(ctx: ServerContext, jobs: list[Job], body: OpenAISampling, *, 
         completion_tokens += result.completion_tokens
         yield chunk(index, None if chat else "", result.finish_reason)
     if body.include_usage:
-        yield {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
-               "usage": _usage(jobs[0].result.prompt_tokens, completion_tokens)}
+        yield {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": _usage(jobs[0].result.prompt_tokens, completion_tokens),
+        }
     yield "[DONE]"

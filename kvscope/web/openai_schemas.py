@@ -42,8 +42,11 @@ class OpenAISampling(BaseModel):
     def sampling(self, max_tokens: int, sample: int) -> dict[str, Any]:
         """`SamplingParams` kwargs for the `sample`-th of the `n` samples."""
         params: dict[str, Any] = {
-            "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "ignore_eos": self.ignore_eos,
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
         }
         if self.stop is not None:
             params["stop"] = self.stop

@@ -38,7 +38,16 @@ class Sampling(Strict):
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments (unset optionals left out)."""
-        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+        names = (
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+        )
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -49,7 +58,9 @@ class GenerateBody(Sampling):
     prompt_token_ids: list[int] | None = Field(None, description="the prompt as token ids")
     priority: int = Field(0, ge=-INT32, le=INT32, description="lower is more urgent")
     parent: str | None = Field(None, description="a live request id: run as its child")
-    timeout: float | None = Field(None, gt=0.0, le=TIMEOUT_MAX, description="seconds; cancels with reason timeout")
+    timeout: float | None = Field(
+        None, gt=0.0, le=TIMEOUT_MAX, description="seconds; cancels with reason timeout"
+    )
     stream: bool = Field(False, description="answer an SSE stream of token events instead of 202")
 
     @model_validator(mode="after")

@@ -26,11 +26,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    group.add_argument("--api-key", action="append", default=[], help="a bearer key (repeatable; also KVSCOPE_API_KEY)")
-    group.add_argument("--audit-log", default=None, metavar="PATH", help="append one JSON line per ended request")
-    group.add_argument("--drain-timeout", type=float, default=0.0, help="seconds live requests may finish on shutdown")
-    group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)")
-    group.add_argument("--debug", action="store_true", help="check the block pool whenever the engine idles")
+    group.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a bearer key (repeatable; also KVSCOPE_API_KEY)",
+    )
+    group.add_argument(
+        "--audit-log", default=None, metavar="PATH", help="append one JSON line per ended request"
+    )
+    group.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=0.0,
+        help="seconds live requests may finish on shutdown",
+    )
+    group.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
+    )
+    group.add_argument(
+        "--debug", action="store_true", help="check the block pool whenever the engine idles"
+    )
     add_engine_arguments(parser)
 
 
@@ -38,8 +54,12 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
     keys = list(args.api_key)
     keys += [k for k in os.environ.get("KVSCOPE_API_KEY", "").split(",") if k.strip()]
     return ServerSettings(
-        host=args.host, port=args.port, backend=args.backend, api_keys=keys,
-        max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        api_keys=keys,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout,
     )
 
 

@@ -52,7 +52,13 @@ def bind_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
 
 
 class Server:
-    def __init__(self, settings: ServerSettings, engine_kwargs: dict[str, Any], *, handle_signals: bool = False) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        engine_kwargs: dict[str, Any],
+        *,
+        handle_signals: bool = False,
+    ) -> None:
         self.settings = settings
         self.engine_kwargs = engine_kwargs
         self.handle_signals = handle_signals
@@ -93,8 +99,12 @@ class Server:
                     await tg.start(self._watch_signals)
                 log.info(
                     "kvscope listening on %s (model %s, device %s, backend %s, %d API key(s), audit log %s)",
-                    self.url, engine.model_name, engine.device, self.settings.backend,
-                    len(self.settings.api_keys), engine.config.audit_log or "in memory",
+                    self.url,
+                    engine.model_name,
+                    engine.device,
+                    self.settings.backend,
+                    len(self.settings.api_keys),
+                    engine.config.audit_log or "in memory",
                 )
                 task_status.started(self.port)
                 await _serve(app, config, self.settings.backend, self._stop_serving.wait)
@@ -111,8 +121,12 @@ class Server:
         await self._stop_requested.wait()
         engine, settings = ctx.engine, self.settings
         ctx.shutting_down.set()
-        log.info("shutdown: %d live request(s), %d open stream(s); draining for %.1f s",
-                 engine.stats()["live_requests"], ctx.open_streams, settings.drain_timeout)
+        log.info(
+            "shutdown: %d live request(s), %d open stream(s); draining for %.1f s",
+            engine.stats()["live_requests"],
+            ctx.open_streams,
+            settings.drain_timeout,
+        )
         drained = await engine.drain(settings.drain_timeout)
         if not drained:
             live = engine.list_requests()
@@ -122,10 +136,15 @@ class Server:
         with anyio.move_on_after(settings.graceful_timeout):
             await engine.wait_idle()
             await ctx.wait_streams_closed()
-        log.info("shutdown: requests ended, %d stream(s) still open; stopping hypercorn", ctx.open_streams)
+        log.info(
+            "shutdown: requests ended, %d stream(s) still open; stopping hypercorn",
+            ctx.open_streams,
+        )
         self._stop_serving.set()
 
-    async def _watch_signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def _watch_signals(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             async for signum in signals:

@@ -21,7 +21,7 @@ def key_id(key: str) -> str:
 def _keys(value: object) -> dict[str, str]:
     if isinstance(value, dict):
         return dict(value)
-    keys = [k.strip() for k in (value or ()) if k and k.strip()]  # type: ignore[union-attr]
+    keys = [k.strip() for k in (value or ()) if k and k.strip()]  # type: ignore[attr-defined]
     return {key_id(k): k for k in keys}
 
 

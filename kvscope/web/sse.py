@@ -84,7 +84,9 @@ class StreamBody:
         ids = self._cancel_ids() if callable(self._cancel_ids) else self._cancel_ids
         for request_id in ids:
             if self._ctx.engine.cancel_nowait(request_id, reason="disconnect"):
-                log.info("stream closed by the client: cancelled %s (reason disconnect)", request_id)
+                log.info(
+                    "stream closed by the client: cancelled %s (reason disconnect)", request_id
+                )
 
 
 def sse_response(body: StreamBody, request_id: str) -> Response:
@@ -92,7 +94,11 @@ def sse_response(body: StreamBody, request_id: str) -> Response:
         body,  # type: ignore[arg-type]
         status=200,
         content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id},
+        headers={
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "X-Request-Id": request_id,
+        },
     )
     response.timeout = None  # a stream lasts as long as its request
     return response

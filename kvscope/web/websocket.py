@@ -51,7 +51,13 @@ class _Connection:
             await websocket.send(json.dumps(event, separators=(",", ":")))
 
     async def send_error(self, error: ApiError, request_id: str | None = None) -> None:
-        await self.send({"type": "error", "id": request_id, "error": {"message": error.message, "type": error.type}})
+        await self.send(
+            {
+                "type": "error",
+                "id": request_id,
+                "error": {"message": error.message, "type": error.type},
+            }
+        )
 
     async def read(self, tg: TaskGroup) -> None:
         """The reader: each message is a generate body or a cancel."""
@@ -73,10 +79,18 @@ class _Connection:
 
     async def start(self, body: GenerateBody, tg: TaskGroup) -> None:
         if self.current is not None:
-            raise ApiError(409, "a generation is already running on this socket; cancel it first", "conflict_error")
+            raise ApiError(
+                409,
+                "a generation is already running on this socket; cancel it first",
+                "conflict_error",
+            )
         job = await self.engine.submit(
-            body.engine_prompt(), priority=body.priority, parent=body.parent,
-            timeout=body.timeout, owner=self.owner, **body.sampling(),
+            body.engine_prompt(),
+            priority=body.priority,
+            parent=body.parent,
+            timeout=body.timeout,
+            owner=self.owner,
+            **body.sampling(),
         )
         self.current = job.id
         self.idle = anyio.Event()
@@ -103,7 +117,9 @@ class _Connection:
 
     def abandon(self) -> None:
         """Synchronous: the connection ended; cancel what still runs."""
-        if self.current is not None and self.engine.cancel_nowait(self.current, reason="disconnect"):
+        if self.current is not None and self.engine.cancel_nowait(
+            self.current, reason="disconnect"
+        ):
             log.info("websocket closed: cancelled %s (reason disconnect)", self.current)
 
 

@@ -55,7 +55,9 @@ class Live:
     def audit_record(self, request_id: str) -> dict[str, Any]:
         """The request's audit line, once written (at the release of its blocks, which
         can come a step after its status reads final)."""
-        return wait_for(lambda: self.audit().get(request_id), what=f"the audit line of {request_id}")
+        return wait_for(
+            lambda: self.audit().get(request_id), what=f"the audit line of {request_id}"
+        )
 
     def stats(self) -> dict[str, Any]:
         assert self.server.engine is not None
@@ -68,15 +70,23 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @contextmanager
-def running_server(backend: str, tmp_path: Path, *, api_keys: tuple[str, ...] = (), **options: Any) -> Iterator[Live]:
+def running_server(
+    backend: str, tmp_path: Path, *, api_keys: tuple[str, ...] = (), **options: Any
+) -> Iterator[Live]:
     settings_fields = {f.name for f in attrs.fields(ServerSettings)}
     settings = ServerSettings(
-        port=0, backend=backend, api_keys=list(api_keys), graceful_timeout=10,
+        port=0,
+        backend=backend,
+        api_keys=list(api_keys),
+        graceful_timeout=10,
         **{k: v for k, v in options.items() if k in settings_fields},
     )
     audit_path = tmp_path / f"audit-{backend}.jsonl"
     engine_kwargs = {
-        "model": "tiny-random", "device": "cpu", "num_kv_blocks": 1024, "debug": True,
+        "model": "tiny-random",
+        "device": "cpu",
+        "num_kv_blocks": 1024,
+        "debug": True,
         "audit_log": str(audit_path),
         **{k: v for k, v in options.items() if k not in settings_fields},
     }
@@ -98,7 +108,9 @@ def live(backend: str, tmp_path: Path) -> Iterator[Live]:
         yield running
 
 
-def wait_for(predicate: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition"
+) -> Any:
     """Poll `predicate` until it returns something truthy; fail after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
@@ -110,7 +122,11 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 20.0, what: str =
         time.sleep(0.01)
 
 
-def wait_status(client: httpx.Client, request_id: str, statuses: tuple[str, ...] = ("finished", "cancelled", "failed")) -> dict[str, Any]:
+def wait_status(
+    client: httpx.Client,
+    request_id: str,
+    statuses: tuple[str, ...] = ("finished", "cancelled", "failed"),
+) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
         info = client.get(f"/requests/{request_id}").json()
         return info if info["status"] in statuses else None
@@ -120,6 +136,7 @@ def wait_status(client: httpx.Client, request_id: str, statuses: tuple[str, ...]
 
 def wait_tokens(client: httpx.Client, request_id: str, n: int = 1) -> dict[str, Any]:
     """Wait until the request is running and has generated `n` tokens."""
+
     def check() -> dict[str, Any] | None:
         info = client.get(f"/requests/{request_id}").json()
         return info if info["tokens_generated"] >= n else None
@@ -131,12 +148,13 @@ def sse_events(lines: Iterator[str]) -> Iterator[Any]:
     """The JSON objects (or `[DONE]`) of an SSE stream's `data:` lines."""
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
 
 
 def wait_clean(live: Live) -> dict[str, Any]:
     """Wait until no request is live and no KV block is in use."""
+
     def check() -> dict[str, Any] | None:
         stats = live.stats()
         return stats if stats["live_requests"] == 0 and stats["kv_blocks_in_use"] == 0 else None
@@ -147,6 +165,9 @@ def wait_clean(live: Live) -> dict[str, Any]:
 def alone(live: Live, prompt: str, max_tokens: int) -> list[int]:
     """The greedy tokens of `prompt` run on its own."""
     with live.client() as client:
-        response = client.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        response = client.post(
+            "/generate",
+            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 202
         return wait_status(client, response.json()["id"])["token_ids"]

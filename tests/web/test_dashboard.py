@@ -21,7 +21,9 @@ from websockets.sync.client import connect
 from .conftest import LONG, Live, wait_clean, wait_for, wait_status, wait_tokens
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
+)
 
 
 class Page:
@@ -33,8 +35,15 @@ class Page:
 
     def evaluate(self, expression: str) -> Any:
         call_id = next(self._ids)
-        self._ws.send(json.dumps({"id": call_id, "method": "Runtime.evaluate",
-                                  "params": {"expression": expression, "returnByValue": True}}))
+        self._ws.send(
+            json.dumps(
+                {
+                    "id": call_id,
+                    "method": "Runtime.evaluate",
+                    "params": {"expression": expression, "returnByValue": True},
+                }
+            )
+        )
         while True:
             message = json.loads(self._ws.recv(timeout=30))
             if message.get("id") == call_id:
@@ -46,20 +55,41 @@ class Page:
 def _open_page(url: str, profile: Path) -> tuple[subprocess.Popen[bytes], str]:
     assert CHROMIUM is not None
     browser = subprocess.Popen(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}",
-         "--remote-debugging-port=0", url],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-port=0",
+            url,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     port_file = profile / "DevToolsActivePort"
-    port = wait_for(lambda: port_file.exists() and port_file.read_text().split("\n")[0], timeout=60, what="chromium")
+    port = wait_for(
+        lambda: port_file.exists() and port_file.read_text().split("\n")[0],
+        timeout=60,
+        what="chromium",
+    )
 
     def page_target() -> str | None:
         try:
             targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
         except httpx.HTTPError:
             return None
-        return next((t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page" and t["url"].startswith(url)), None)
+        return next(
+            (
+                t["webSocketDebuggerUrl"]
+                for t in targets
+                if t["type"] == "page" and t["url"].startswith(url)
+            ),
+            None,
+        )
 
     try:
         return browser, wait_for(page_target, timeout=60, what="the dashboard page")
@@ -81,14 +111,23 @@ def test_dashboard_lists_and_cancels(live: Live, tmp_path: Path) -> None:
             with connect(ws_url, max_size=None) as ws:
                 page = Page(ws)
                 selector = json.dumps(f'button[data-cancel="{job["id"]}"]')
-                wait_for(lambda: page.evaluate(f"!!document.querySelector({selector})"), what="the request's row")
+                wait_for(
+                    lambda: page.evaluate(f"!!document.querySelector({selector})"),
+                    what="the request's row",
+                )
                 kv = page.evaluate("document.getElementById('kv-in-use').textContent")
                 assert kv.endswith("/ 1024") and int(kv.split("/")[0]) >= 1
-                wait_for(lambda: float(page.evaluate("document.getElementById('tps').textContent")) > 0, what="tokens/s")
+                wait_for(
+                    lambda: float(page.evaluate("document.getElementById('tps').textContent")) > 0,
+                    what="tokens/s",
+                )
                 page.evaluate(f"document.querySelector({selector}).click()")
                 info = wait_status(client, job["id"])
                 assert info["status"] == "cancelled" and info["cancel_reason"] == "user"
-                wait_for(lambda: not page.evaluate(f"!!document.querySelector({selector})"), what="the row to go")
+                wait_for(
+                    lambda: not page.evaluate(f"!!document.querySelector({selector})"),
+                    what="the row to go",
+                )
                 assert page.evaluate("window.__dashboardErrors") == []
                 assert page.evaluate("document.getElementById('error').textContent") == ""
         finally:

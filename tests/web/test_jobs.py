@@ -7,7 +7,10 @@ from .conftest import LONG, Live, wait_clean, wait_status, wait_tokens
 
 def test_generate_runs_a_detached_job(live: Live) -> None:
     with live.client() as client:
-        response = client.post("/generate", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        response = client.post(
+            "/generate",
+            json={"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 202
         body = response.json()
         assert body["id"].startswith("req-") and body["status"] in ("queued", "running")
@@ -39,7 +42,11 @@ def test_delete_cancels_with_reason_user(live: Live) -> None:
         assert report["found"] and report["status"] == "running" and report["blocks_released"] >= 1
         assert report["release_seconds"] is not None and report["release_seconds"] < 1.0
         info = client.get(f"/requests/{job['id']}").json()
-        assert info["status"] == "cancelled" and info["cancel_reason"] == "user" and info["finish_reason"] == "cancelled"
+        assert (
+            info["status"] == "cancelled"
+            and info["cancel_reason"] == "user"
+            and info["finish_reason"] == "cancelled"
+        )
         assert client.get("/requests").json()["requests"] == []
         # twice: the second finds it ended
         again = client.delete(f"/requests/{job['id']}")
@@ -54,17 +61,25 @@ def test_delete_unknown_and_finished(live: Live) -> None:
         missing = client.delete("/requests/req-nope")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
         assert client.get("/requests/req-nope").status_code == 404
-        job = client.post("/generate", json={"prompt": "x", "max_tokens": 2, "temperature": 0, "ignore_eos": True}).json()
+        job = client.post(
+            "/generate", json={"prompt": "x", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        ).json()
         wait_status(client, job["id"])
         finished = client.delete(f"/requests/{job['id']}")
         assert finished.status_code == 409
-        assert finished.json()["error"] == {"message": finished.json()["error"]["message"], "type": "conflict_error", "status": "finished"}
+        assert finished.json()["error"] == {
+            "message": finished.json()["error"]["message"],
+            "type": "conflict_error",
+            "status": "finished",
+        }
 
 
 def test_delete_cancels_children(live: Live) -> None:
     with live.client() as client:
         parent = client.post("/generate", json={"prompt": "parent", **LONG}).json()
-        child = client.post("/generate", json={"prompt": "parent and child", "parent": parent["id"], **LONG}).json()
+        child = client.post(
+            "/generate", json={"prompt": "parent and child", "parent": parent["id"], **LONG}
+        ).json()
         assert client.get(f"/requests/{parent['id']}").json()["children"] == [child["id"]]
         wait_tokens(client, child["id"])
         report = client.delete(f"/requests/{parent['id']}").json()

@@ -10,13 +10,22 @@ from .conftest import LONG, Live, running_server, wait_clean, wait_for, wait_sta
 def test_stats_metrics_health(live: Live) -> None:
     with live.client() as client:
         health = client.get("/health")
-        assert health.status_code == 200 and health.json() == {"status": "ok", "ready": True, "model": "tiny-random"}
-        done = client.post("/generate", json={"prompt": "a", "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json()
+        assert health.status_code == 200 and health.json() == {
+            "status": "ok",
+            "ready": True,
+            "model": "tiny-random",
+        }
+        done = client.post(
+            "/generate", json={"prompt": "a", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        ).json()
         gone = client.post("/generate", json={"prompt": "b", **LONG}).json()
         wait_tokens(client, gone["id"])
         stats = client.get("/stats").json()
         assert stats["live_requests"] >= 1 and stats["kv_blocks_in_use"] >= 1
-        assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_in_use"] + stats["kv_blocks_cached"]
+        assert (
+            stats["kv_blocks_total"]
+            == stats["kv_blocks_free"] + stats["kv_blocks_in_use"] + stats["kv_blocks_cached"]
+        )
         client.delete(f"/requests/{gone['id']}")
         wait_status(client, done["id"])
         wait_clean(live)
@@ -40,14 +49,22 @@ def test_stats_metrics_health(live: Live) -> None:
 
 def test_drain_then_shutdown(backend: str, tmp_path: Path) -> None:
     with running_server(backend, tmp_path, drain_timeout=30.0) as live, live.client() as client:
-        job = client.post("/generate", json={"prompt": "finish me", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}).json()
+        job = client.post(
+            "/generate",
+            json={"prompt": "finish me", "max_tokens": 1500, "temperature": 0, "ignore_eos": True},
+        ).json()
         wait_tokens(client, job["id"])
         live.portal.call(live.server.request_shutdown)
-        wait_for(lambda: client.get("/health").status_code == 503, what="/health to say shutting down")
+        wait_for(
+            lambda: client.get("/health").status_code == 503, what="/health to say shutting down"
+        )
         refused = client.post("/generate", json={"prompt": "late"})
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "unavailable_error"
         engine = live.server.engine
         assert engine is not None
-        wait_for(lambda: live.portal.call(engine.get, job["id"]).status == "finished", what="the drained request")
+        wait_for(
+            lambda: live.portal.call(engine.get, job["id"]).status == "finished",
+            what="the drained request",
+        )
     record = live.audit_record(job["id"])
     assert record["finish_reason"] == "length" and record["generated_tokens"] == 1500

@@ -27,10 +27,26 @@ CHECKS = "not_a_server_error,response_schema_conformance,negative_data_rejection
 def test_openapi_conformance(backend: str, tmp_path: Path) -> None:
     with running_server(backend, tmp_path, max_model_len=64) as live:
         run = subprocess.run(
-            [sys.executable, "-m", "schemathesis.cli", "run", live.url + "/openapi.json",
-             "--checks", CHECKS, "--max-examples", "20", "--generation-deterministic",
-             "--request-timeout", "30", "--no-color", "--report-dir", str(tmp_path / "report")],
-            capture_output=True, text=True, timeout=280,
+            [
+                sys.executable,
+                "-m",
+                "schemathesis.cli",
+                "run",
+                live.url + "/openapi.json",
+                "--checks",
+                CHECKS,
+                "--max-examples",
+                "20",
+                "--generation-deterministic",
+                "--request-timeout",
+                "30",
+                "--no-color",
+                "--report-dir",
+                str(tmp_path / "report"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=280,
         )
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
         wait_clean(live)

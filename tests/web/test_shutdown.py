@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from websockets.sync.client import connect
 
 from .conftest import BACKENDS, LONG, sse_events
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,9 +44,24 @@ class _Reader(threading.Thread):
             self.started.set()
 
     def _sse(self) -> None:
-        path, body = ("/generate", {"prompt": "sse", "stream": True, **LONG}) if self.kind == "sse" else (
-            "/v1/completions", {"prompt": "oai", "stream": True, "max_tokens": 3000, "temperature": 0, "ignore_eos": True})
-        with httpx.Client(base_url=self.url, timeout=60) as client, client.stream("POST", path, json=body) as response:
+        path, body = (
+            ("/generate", {"prompt": "sse", "stream": True, **LONG})
+            if self.kind == "sse"
+            else (
+                "/v1/completions",
+                {
+                    "prompt": "oai",
+                    "stream": True,
+                    "max_tokens": 3000,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+        )
+        with (
+            httpx.Client(base_url=self.url, timeout=60) as client,
+            client.stream("POST", path, json=body) as response,
+        ):
             self.request_id = response.headers["x-request-id"]
             for event in sse_events(response.iter_lines()):
                 self.events.append(event)
@@ -69,16 +83,38 @@ class _Reader(threading.Thread):
 def test_sigterm_with_streams_in_flight(backend: str, tmp_path: Path) -> None:
     audit = tmp_path / "audit.jsonl"
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvscope.cli", "serve", "--model", "tiny-random", "--device", "cpu", "--port", "0",
-         "--backend", backend, "--audit-log", str(audit), "--num-kv-blocks", "1024", "--debug"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvscope.cli",
+            "serve",
+            "--model",
+            "tiny-random",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--backend",
+            backend,
+            "--audit-log",
+            str(audit),
+            "--num-kv-blocks",
+            "1024",
+            "--debug",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         assert process.stdout is not None
         line = process.stdout.readline()  # blocks until the server printed where it listens
         match = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert match, line + (process.stderr.read() if process.poll() is not None and process.stderr else "")
+        assert match, line + (
+            process.stderr.read() if process.poll() is not None and process.stderr else ""
+        )
         url = match.group(0)
         readers = [_Reader(kind, url) for kind in ("sse", "sse", "openai", "ws")]
         for reader in readers:
@@ -105,7 +141,11 @@ def test_sigterm_with_streams_in_flight(backend: str, tmp_path: Path) -> None:
             assert final["finish_reason"] == "cancelled"
         else:
             final = reader.events[-1]
-            assert final["type"] == "done" and final["status"] == "cancelled" and final["cancel_reason"] == "shutdown"
+            assert (
+                final["type"] == "done"
+                and final["status"] == "cancelled"
+                and final["cancel_reason"] == "shutdown"
+            )
         record = records[reader.request_id]
         assert record["finish_reason"] == "cancelled" and record["cancel_reason"] == "shutdown"
     assert "KV blocks still in use" not in stderr

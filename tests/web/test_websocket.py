@@ -21,7 +21,11 @@ def _until_done(ws) -> list[dict]:
 def test_websocket_generate_twice_on_one_socket(live: Live) -> None:
     with connect(live.ws_url + "/ws/generate") as ws:
         for prompt in ("one", "two"):
-            ws.send(json.dumps({"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}))
+            ws.send(
+                json.dumps(
+                    {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+                )
+            )
             events = _until_done(ws)
             assert events[0]["type"] == "start"
             request_id = events[0]["id"]
@@ -39,14 +43,21 @@ def test_websocket_generate_twice_on_one_socket(live: Live) -> None:
 def test_websocket_cancel_message(live: Live) -> None:
     expected = alone(live, "bystander", 30)
     with live.client() as client:
-        bystander = client.post("/generate", json={"prompt": "bystander", "max_tokens": 30, "temperature": 0, "ignore_eos": True}).json()
+        bystander = client.post(
+            "/generate",
+            json={"prompt": "bystander", "max_tokens": 30, "temperature": 0, "ignore_eos": True},
+        ).json()
         with connect(live.ws_url + "/ws/generate") as ws:
             ws.send(json.dumps({"type": "generate", "prompt": "cancel me", **LONG}))
             start = json.loads(ws.recv(timeout=30))
             assert json.loads(ws.recv(timeout=30))["type"] == "token"
             ws.send(json.dumps({"type": "cancel"}))
             done = _until_done(ws)[-1]
-            assert done["type"] == "done" and done["status"] == "cancelled" and done["cancel_reason"] == "user"
+            assert (
+                done["type"] == "done"
+                and done["status"] == "cancelled"
+                and done["cancel_reason"] == "user"
+            )
         info = wait_status(client, start["id"])
         assert info["cancel_reason"] == "user"
         assert wait_status(client, bystander["id"])["token_ids"] == expected
