@@ -47,25 +47,34 @@ def _number(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any, An
     return check
 
 
-def _int_at_least(lo: int) -> Callable[[Any, Any, Any], None]:
+def _int_at_least(lo: int, hi: int | None = None) -> Callable[[Any, Any, Any], None]:
     def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{attribute.name} must be an integer")
         if value < lo:
             raise ValueError(f"{attribute.name} must be >= {lo}")
+        if hi is not None and value > hi:
+            raise ValueError(f"{attribute.name} must be <= {hi}")
 
     return check
 
 
+#: Below this temperature sampling is greedy: dividing logits by less overflows them.
+GREEDY_BELOW = 1e-5
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
-    """How to pick each token and when to stop. `temperature=0` is greedy."""
+    """How to pick each token and when to stop. `temperature=0` (or below 1e-5) is greedy."""
 
     max_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
     temperature: float = attrs.field(default=1.0, validator=_number(0.0, 100.0))
     top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, lo_open=True))
     top_k: int = attrs.field(default=0, validator=_int_at_least(0))
-    seed: int | None = attrs.field(default=None, validator=v.optional(_int_at_least(-(2**63))))
+    # The range torch.Generator.manual_seed accepts.
+    seed: int | None = attrs.field(
+        default=None, validator=v.optional(_int_at_least(-(2**63), 2**64 - 1))
+    )
     stop: tuple[str, ...] = attrs.field(
         default=(), converter=_strings, validator=_non_empty_strings
     )
@@ -76,7 +85,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def fields(cls) -> frozenset[str]:

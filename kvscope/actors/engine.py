@@ -245,6 +245,29 @@ class Engine:
         )
         return Job(state)
 
+    async def submit_samples(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        n: int,
+        priority: int = 0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        owner: str | None = None,
+        **sampling: Any,
+    ) -> list[Job]:
+        """Start `n` samples of one prompt as one family (OpenAI's `n`): sample 0 is the
+        parent, the others its children, all started before any can end, so they share
+        the prompt's KV blocks and cancelling sample 0 cancels them all. With a seed,
+        sample i uses seed + i."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidRequest("n must be a positive integer")
+        state = await self._start(
+            prompt, params, priority, None, request_id, timeout, owner, sampling, samples=n
+        )
+        return [Job(state), *(Job(child) for child in state.children)]
+
     async def cancel(
         self, request_id: str, reason: str = "user", by: str | None = None
     ) -> CancelReport:
@@ -338,6 +361,7 @@ class Engine:
         timeout: float | None,
         owner: str | None,
         sampling: dict[str, Any],
+        samples: int = 1,
     ) -> RequestState:
         if not self._accepting or self._tg is None:
             raise EngineClosed("the engine is shutting down")
@@ -367,24 +391,57 @@ class Engine:
             if parent_state.children_group is None or parent_state.cancel_requested():
                 raise RequestConflict(f"parent request {parent!r} has ended")
             group = parent_state.children_group
-        state = RequestState(
-            request_id=request_id or new_request_id(),
-            prompt_ids=prompt_ids,
-            params=params,
-            tokenizer=self.tokenizer,
-            priority=priority,
-            parent=parent_state,
-            owner=owner,
-            timeout=timeout,
+        state = self._new_state(
+            request_id or new_request_id(),
+            prompt_ids,
+            params,
+            priority,
+            parent_state,
+            owner,
+            timeout,
         )
-        if not params.greedy:
-            state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
+        for index in range(1, samples):
+            seed = None if params.seed is None else (params.seed + index) % 2**64
+            child = self._new_state(
+                new_request_id(),
+                prompt_ids,
+                attrs.evolve(params, seed=seed),
+                priority,
+                state,
+                owner,
+                timeout,
+            )
+            state.pending_children.append(child)
         # Shielded: once the task exists, the caller must get its handle to own it.
         with anyio.CancelScope(shield=True):
             try:
                 await group.start(run_request, state, self)
             except RuntimeError as exc:  # the parent's group closed meanwhile
                 raise RequestConflict(f"parent request {parent!r} has ended") from exc
+        return state
+
+    def _new_state(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        parent: RequestState | None,
+        owner: str | None,
+        timeout: float | None,
+    ) -> RequestState:
+        state = RequestState(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            tokenizer=self.tokenizer,
+            priority=priority,
+            parent=parent,
+            owner=owner,
+            timeout=timeout,
+        )
+        if not params.greedy:
+            state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
         return state
 
     def _sampling_params(

@@ -57,6 +57,7 @@ class RequestState:
         self.priority = priority
         self.parent = parent
         self.children: list[RequestState] = []
+        self.pending_children: list[RequestState] = []  # started with it (OpenAI's n)
         self.owner = owner
         self.timeout = timeout
         self.prompt_ids = prompt_ids
@@ -288,6 +289,11 @@ async def run_request(
                 state.children_group = children
                 try:
                     core.open_request(state)
+                    # Siblings submitted together join before the caller resumes, so
+                    # none can find the family already ended.
+                    for child in state.pending_children:
+                        await children.start(run_request, child, core)
+                    state.pending_children = []
                     task_status.started()
                     await state._generation_done.wait()
                 finally:

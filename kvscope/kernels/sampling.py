@@ -45,4 +45,6 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
         drop = (torch.cumsum(probs, dim=-1) - probs) > p.top_p
         row = row.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(row, dim=-1)
+    if not torch.isfinite(probs).all():
+        return int(row.argmax())  # logits that overflowed: the most likely token
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -83,15 +83,15 @@ async def get_request(request_id: str) -> Any:
 @document_response(ErrorBody, 409)
 async def cancel_request(request_id: str) -> Any:
     """Cancel a live request and its children: 200 with what was freed; 409 with its
-    final status if it had already ended; 404 if unknown."""
+    final status if it and all its children had already ended; 404 if unknown."""
     ctx = server()
     if not visible(ctx.engine.get(request_id)):
         raise ApiError(404, f"no request {request_id!r}", "not_found_error")
     report = await ctx.engine.cancel(request_id, reason="user", by=current_owner() or "api")
     if not report.found:
         raise ApiError(404, f"no request {request_id!r}", "not_found_error")
-    if report.status not in ("queued", "running"):
-        return _conflict(request_id, report.status)
+    if report.status not in ("queued", "running") and not report.cancelled_children:
+        return _conflict(request_id, report.status)  # ended, and nothing of it was live
     return report.as_dict()
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from quart import Blueprint
 from quart_schema import document_request
 
-from kvscope import Job, RequestConflict
+from kvscope import Job
 
 from .auth import current_owner
 from .bodies import read_body
@@ -86,26 +86,11 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
 async def _start_samples(
     ctx: ServerContext, prompt: str | list[int], body: OpenAISampling, max_tokens: int
 ) -> list[Job]:
-    """Sample 0 as the parent, samples 1..n-1 as its children."""
-    engine, owner = ctx.engine, current_owner()
-    first = await engine.submit(
-        prompt, priority=body.priority, owner=owner, **body.sampling(max_tokens, 0)
+    """The `n` samples as one family: sample 0 the parent, the rest its children
+    (the engine gives sample i the seed + i)."""
+    return await ctx.engine.submit_samples(
+        prompt, n=body.n, priority=body.priority, owner=current_owner(), **body.sampling(max_tokens)
     )
-    jobs = [first]
-    try:
-        for index in range(1, body.n):
-            sampling = body.sampling(max_tokens, index)
-            try:
-                job = await engine.submit(
-                    prompt, priority=body.priority, parent=first.id, owner=owner, **sampling
-                )
-            except RequestConflict:  # sample 0 already ended: this one runs on its own
-                job = await engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
-            jobs.append(job)
-    except BaseException:
-        _cancel_all(ctx, jobs, "error")
-        raise
-    return jobs
 
 
 def _cancel_all(ctx: ServerContext, jobs: list[Job], reason: str) -> None:

@@ -39,8 +39,8 @@ class OpenAISampling(BaseModel):
     stop_token_ids: list[int] | None = None
     priority: int = Field(0, ge=-INT32, le=INT32)
 
-    def sampling(self, max_tokens: int, sample: int) -> dict[str, Any]:
-        """`SamplingParams` kwargs for the `sample`-th of the `n` samples."""
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i)."""
         params: dict[str, Any] = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -53,7 +53,7 @@ class OpenAISampling(BaseModel):
         if self.stop_token_ids is not None:
             params["stop_token_ids"] = self.stop_token_ids
         if self.seed is not None:
-            params["seed"] = self.seed + sample
+            params["seed"] = self.seed
         return params
 
     @property

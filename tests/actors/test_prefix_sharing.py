@@ -71,3 +71,23 @@ async def test_parent_and_children_generate_the_same_greedy_tokens():
         ]
         results = [await job.wait() for job in (parent, *children)]
         assert all(r.token_ids == alone.token_ids for r in results)
+
+
+async def test_samples_start_as_one_family_that_shares_and_cancels_together():
+    async with open_engine() as engine:
+        jobs = await engine.submit_samples(PROMPT, n=4, max_tokens=1, temperature=0.7, seed=5, ignore_eos=True)
+        assert len(jobs) == 4 and len({j.id for j in jobs}) == 4
+        parent = engine.get(jobs[0].id)
+        assert parent.children == tuple(j.id for j in jobs[1:])
+        results = [await j.wait() for j in jobs]  # max_tokens=1: none of them is refused
+        assert all(r.finish_reason == "length" for r in results)
+        seeds = [engine.registry.get(j.id).params.seed for j in jobs]
+        assert seeds == [5, 6, 7, 8]
+
+        family = await engine.submit_samples(PROMPT, n=3, max_tokens=2000, **GREEDY)
+        await wait_for(lambda: all(j.info().tokens_generated >= 1 for j in family))
+        tables = [engine.sequence_of(j.id).block_table for j in family]
+        assert tables[1][:4] == tables[0][:4] == tables[2][:4]
+        report = await engine.cancel(family[0].id)
+        assert report.cancelled_children == 2
+        assert [(await j.wait()).finish_reason for j in family] == ["cancelled"] * 3
