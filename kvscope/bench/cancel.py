@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", default="1", help="model threads of the server (comma-separated, each measured)")
     p.add_argument("--requests", type=int, default=32, help="concurrent streaming requests")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--cancel-fraction", type=float, default=0.5, help="share of the requests cancelled")
     p.add_argument("--disconnect-fraction", type=float, default=0.25,
@@ -114,8 +114,8 @@ async def settle(base_url: str, timeout: float = 30) -> dict[str, Any]:
 
 async def bench_server(server: servers.Server, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     async with server:
-        # Warm-up: one wave of the real shape (8 tokens each), so neither measured run pays first-use costs.
-        warm = make_plans(args, vocab, 99, False)
+        # Warm-up: up to 8 requests of the real shape (8 tokens each), so neither measured run pays first-use costs.
+        warm = make_plans(args, vocab, 99, False)[:8]
         async with httpx.AsyncClient(base_url=server.base_url, timeout=args.run_timeout) as client:
             async with anyio.create_task_group() as tg:
                 for plan in warm:

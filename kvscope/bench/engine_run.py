@@ -22,24 +22,32 @@ from .workload import Workload
 
 
 class StepRecorder:
-    """Collects (start, forward seconds, batch, tokens, model-forward seconds) per step."""
+    """Collects (start, runner seconds, batch, tokens, model seconds) per step; model
+    seconds are the decoder's forward plus the LM head, timed in the worker thread."""
 
     def __init__(self, engine: Engine) -> None:
         self.rows: list[tuple[float, float, int, int, float]] = []
         self._model_seconds = 0.0
         self._tokens = 0
         model = engine.step.runner.model
-        inner = model.forward
+        forward, logits = model.forward, model.logits
 
         def timed_forward(input_ids, *args, **kwargs):  # runs in the worker thread
             t0 = time.perf_counter()
             try:
-                return inner(input_ids, *args, **kwargs)
+                return forward(input_ids, *args, **kwargs)
             finally:
                 self._model_seconds = time.perf_counter() - t0
                 self._tokens = int(input_ids.shape[0])
 
-        model.forward = timed_forward  # instance attribute: instrumentation only
+        def timed_logits(hidden):  # the LM head is model compute too
+            t0 = time.perf_counter()
+            try:
+                return logits(hidden)
+            finally:
+                self._model_seconds += time.perf_counter() - t0
+
+        model.forward, model.logits = timed_forward, timed_logits  # instance attributes: instrumentation only
         engine.step_listeners.append(self._on_step)
 
     def _on_step(self, started: float, forward_seconds: float, batch: int) -> None:

@@ -27,6 +27,20 @@ def load_average() -> list[float] | None:
         return None
 
 
+def git_revision() -> str | None:
+    """The checkout's commit, with `-dirty` when tracked files differ from it."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def describe() -> dict[str, Any]:
     import torch
 
@@ -38,6 +52,7 @@ def describe() -> dict[str, Any]:
         "torch": torch.__version__,
         "load_average_at_start": load_average(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "kvscope_revision": git_revision(),
     }
     try:
         import transformers
