@@ -35,7 +35,6 @@ import json
 import math
 import random
 import re
-import shutil
 import sys
 import sysconfig
 import time
@@ -84,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-positions", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=256, help="training sequence length")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=1600)
-    p.add_argument("--max-minutes", type=float, default=23.0, help="stop training after this")
+    p.add_argument("--steps", type=int, default=1100)
+    p.add_argument("--max-minutes", type=float, default=24.0, help="stop training after this")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
     p.add_argument("--warmup-steps", type=int, default=100)
@@ -313,9 +312,10 @@ def train(model, train_data, val_data, args) -> dict:
 
 def save(model, tokenizer, args: argparse.Namespace) -> None:
     out: Path = args.out
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.iterdir():  # the directory must hold only the model's files
+        if stale.is_file():
+            stale.unlink()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -326,6 +326,8 @@ def save(model, tokenizer, args: argparse.Namespace) -> None:
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json.
     tokenizer.save_pretrained(out, save_jinja_files=False)
     portable_tokenizer_class(out)
+    for f in out.iterdir():
+        f.chmod(0o644)  # save_pretrained writes model.safetensors owner-only
     model.float()
     total = sum(f.stat().st_size for f in out.iterdir())
     listing = ", ".join(sorted(f.name for f in out.iterdir()))
