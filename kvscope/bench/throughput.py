@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     for threads in threads_list:
         print(f"kvscope engine, {threads} thread(s) ...", flush=True)
-        result["kvscope"].append(anyio.run(lambda: run_engine(
-            model, threads, levels, dtype=args.dtype, timeout=args.level_timeout)))
+        result["kvscope"].append(anyio.run(partial(
+            run_engine, model, threads, levels, dtype=args.dtype, timeout=args.level_timeout)))
 
     if "kvscope-serve" in peers:
         result["kvscope_serve"] = []
@@ -101,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
                                             log_path=args.log_dir / f"kvscope-serve-{threads}.log",
                                             extra=["--max-num-seqs", str(max(_ints(args.concurrency)))])
             print(f"kvscope serve (HTTP), {threads} thread(s) ...", flush=True)
-            levels_out = anyio.run(lambda: _http_peer(server, "kvscope", levels, args.level_timeout,
-                                                      "kvscope serve", threads))
+            levels_out = anyio.run(_http_peer, server, "kvscope", levels, args.level_timeout,
+                                   "kvscope serve", threads)
             result["kvscope_serve"].append({"threads": threads, "levels": levels_out})
 
     if "transformers" in peers:
@@ -132,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
                                              log_path=args.log_dir / f"vllm-{threads}.log")
                 print(f"vLLM CPU, {threads} thread(s) (starting takes about a minute) ...", flush=True)
                 try:
-                    levels_out = anyio.run(lambda: _http_peer(server, "reference", levels, args.level_timeout,
-                                                              "vLLM", threads))
+                    levels_out = anyio.run(_http_peer, server, "reference", levels, args.level_timeout,
+                                           "vLLM", threads)
                 except (RuntimeError, TimeoutError) as exc:
                     result["missing"][f"vllm threads={threads}"] = f"{exc}; log: {server.log_path}"
                     print(f"vLLM failed: {exc}\n{server.log_tail()}", flush=True)
