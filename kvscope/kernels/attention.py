@@ -223,8 +223,12 @@ def _gather_head_major(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tenso
     With the cache's head-major storage (see `KVCache`) this is one `index_select` into
     a contiguous result, laid out as the batched matrix multiplies want it."""
     batch, width = tables.shape
-    _, block_size, heads, dim = cache.shape
-    gathered = cache.permute(2, 0, 1, 3).index_select(1, tables.reshape(-1))
+    num_blocks, block_size, heads, dim = cache.shape
+    head_major = cache.permute(2, 0, 1, 3)
+    if head_major.is_contiguous():
+        # index_select copies whole blocks ~3x faster from a 3-d view than a 4-d one.
+        head_major = head_major.view(heads, num_blocks, block_size * dim)
+    gathered = head_major.index_select(1, tables.reshape(-1))
     return gathered.view(heads, batch, width * block_size, dim)
 
 
