@@ -68,10 +68,10 @@ class StepGate:
         self._execute = runner.execute
         runner.execute = self._gated  # type: ignore[method-assign]
 
-    def _gated(self, step: Any, abort: Any) -> Any:
+    def _gated(self, step: Any, control: Any) -> Any:
         self.entered.set()
         self.opened.wait(timeout=30)
-        return self._execute(step, abort)
+        return self._execute(step, control)
 
     async def wait_entered(self) -> None:
         import anyio

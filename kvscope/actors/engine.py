@@ -509,7 +509,7 @@ class Engine:
         self.counts[state.status.public] += 1
         if seq.release_pending:
             state.waited_for_step = True
-            self.step.note_cancelled()
+            self.step.note_cancelled(seq)
         else:
             self._release(state)
         self.step.wake()

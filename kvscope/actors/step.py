@@ -7,9 +7,12 @@ forward and sampling in a worker thread so the event loop stays responsive; unpi
 (blocks whose request was cancelled meanwhile are freed now); advance the sequences and
 hand each live request its token with a synchronous call, never awaiting a consumer.
 
-When every sequence of the in-flight step has been cancelled, `note_cancelled` sets the
-abort flag that the forward checks between layers, so nobody waits for a forward that
-nobody wants. Idle, it sleeps on a wake-up event that any new request sets.
+A request cancelled while its sequence is in the running step is dropped from the
+batch at the next layer boundary (`note_cancelled` tells the runner through the step's
+`StepControl`); the runner hands its chunk back and its blocks are unpinned, and so
+released, right then rather than when the step ends. When every sequence of the step
+is cancelled, the forward stops (`StepAborted`). Idle, the actor sleeps on a wake-up
+event that any new request sets.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from anyio.abc import TaskStatus
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
 from kvscope.models.llama import StepAborted
-from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
+from kvscope.models.runner import ChunkInput, ModelRunner, StepControl, StepInput
 
 from .scheduler import ScheduledStep, Scheduler, Sequence
 
@@ -47,9 +50,10 @@ class StepActor:
         self.runner = runner
         self.pool = pool
         self.debug = debug
-        self.abort = threading.Event()
+        self.control = StepControl(dropped=self._dropped_by_worker)
         self._wakeup = anyio.Event()
-        self._in_flight: list[Sequence] = []
+        self._in_flight: list[Sequence] = []  # the running step's sequences, by chunk
+        self._pins: list[list[int]] = []  # the blocks pinned for each of them
         self._limiter = anyio.CapacityLimiter(1)
         self._on_released = on_released
         self._on_step = on_step
@@ -59,13 +63,19 @@ class StepActor:
     def wake(self) -> None:
         self._wakeup.set()
 
-    def in_flight(self, seq: Sequence) -> bool:
-        return seq.in_step
+    @property
+    def abort(self) -> threading.Event:
+        """Set to stop the running forward at the next layer (shutdown)."""
+        return self.control.abort
 
-    def note_cancelled(self) -> None:
-        """A request of the running step was cancelled: stop the forward if none is left."""
-        if self._in_flight and all(seq.skippable() for seq in self._in_flight):
-            self.abort.set()
+    def note_cancelled(self, seq: Sequence) -> None:
+        """`seq`, in the running step, was cancelled: drop it at the next layer, and stop
+        the forward if nobody is left."""
+        if seq not in self._in_flight:
+            return
+        self.control.cancel(self._in_flight.index(seq))
+        if all(other.skippable() for other in self._in_flight):
+            self.control.abort.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -88,19 +98,21 @@ class StepActor:
     async def _run_step(self, live: list[tuple[Sequence, int]], step: ScheduledStep) -> None:
         live.sort(key=lambda item: item[1] != 1)  # decode rows first
         work = StepInput([self._chunk_input(seq, n) for seq, n in live], step.copies)
-        pinned = [b for seq, _ in live for b in seq.block_table]
-        pinned.extend(src for src, _ in step.copies)
-        self.pool.acquire(pinned)
+        copy_sources = [src for src, _ in step.copies]
+        self.pool.acquire(copy_sources)
+        self._pins = [list(seq.block_table) for seq, _ in live]
+        for pins in self._pins:
+            self.pool.acquire(pins)
         for seq, _ in live:
             seq.in_step = True
         self._in_flight = [seq for seq, _ in live]
-        self.abort.clear()
+        self.control.reset()
         tokens: list[int | None] | None = None
         failure: BaseException | None = None
         started = time.perf_counter()
         try:
             tokens = await anyio.to_thread.run_sync(
-                self.runner.execute, work, self.abort, limiter=self._limiter
+                self.runner.execute, work, self.control, limiter=self._limiter
             )
         except StepAborted:
             self.aborted_steps += 1
@@ -109,14 +121,9 @@ class StepActor:
             failure = exc
         finally:
             forward_seconds = time.perf_counter() - started
-            self._in_flight = []
-            for seq, _ in live:
-                seq.in_step = False
-            self.pool.release(pinned)
-            for seq, _ in live:
-                if seq.release_pending:
-                    seq.release_pending = False
-                    self._on_released(seq)
+            self._unpin(range(len(live)))
+            self.pool.release(copy_sources)
+            self._in_flight, self._pins = [], []
         self.steps += 1
         if failure is not None:
             for seq, _ in live:
@@ -130,6 +137,22 @@ class StepActor:
                     seq.owner.deliver(token)
         if self._on_step is not None:
             self._on_step(started, forward_seconds, len(live))
+
+    def _unpin(self, chunks: range | list[int]) -> None:
+        """Unpin these chunks' blocks; a cancelled one's blocks are released now."""
+        for index in chunks:
+            seq = self._in_flight[index]
+            if not seq.in_step:
+                continue  # dropped earlier in the step
+            seq.in_step = False
+            self.pool.release(self._pins[index])
+            if seq.release_pending:
+                seq.release_pending = False
+                self._on_released(seq)
+
+    def _dropped_by_worker(self, chunks: list[int]) -> None:
+        """(worker thread) The runner dropped these chunks: unpin them on the loop now."""
+        anyio.from_thread.run_sync(self._unpin, chunks)
 
     def _chunk_input(self, seq: Sequence, num_new: int) -> ChunkInput:
         start = seq.num_computed

@@ -29,7 +29,8 @@ def read_audit(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _latency(records: list[dict[str, Any]], indices: set[int]) -> tuple[list[float], list[float]]:
-    ttft, itl = [], []
+    ttft: list[float] = []
+    itl: list[float] = []
     for r in records:
         if r["index"] in indices and r["token_times"]:
             ttft.append(r["token_times"][0] - r["start"])
@@ -53,7 +54,9 @@ def figures(raw: dict[str, Any], audit: dict[str, dict[str, Any]]) -> dict[str, 
     disconnects = [r for r in recs if r["action"] == "disconnect" and "closed_wall" in r]
     reports = [r["report"] for r in deletes if isinstance(r.get("report"), dict)]
 
-    audit_release, disconnect_cancel, disconnect_reasons = [], [], {}
+    audit_release: list[float] = []
+    disconnect_cancel: list[float] = []
+    disconnect_reasons: dict[str | None, int] = {}
     for r in deletes + disconnects:
         a = audit.get(r.get("id") or "")
         if a and a.get("cancelled") is not None and a.get("released") is not None:

@@ -47,7 +47,7 @@ class StepRecorder:
             finally:
                 self._model_seconds += time.perf_counter() - t0
 
-        model.forward, model.logits = timed_forward, timed_logits  # instance attributes: instrumentation only
+        model.forward, model.logits = timed_forward, timed_logits  # type: ignore[method-assign]  # instrumentation only
         engine.step_listeners.append(self._on_step)
 
     def _on_step(self, started: float, forward_seconds: float, batch: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def build_reference_model(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory).expanduser()
-    sizes = {**SHAPE, **(shape or {})}
+    sizes: dict[str, Any] = {**SHAPE, **(shape or {})}
     tokenizer = build_tokenizer(sizes["vocab_size"], text_limit)
     config = LlamaConfig(
         **sizes,
@@ -81,7 +82,7 @@ def build_reference_model(
         pad_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,

@@ -5,7 +5,9 @@ One forward runs a mixed batch (decode tokens and prefill chunks, laid out flat 
 that sample into float32 logits. Weights are plain tensors, with q/k/v and gate/up
 fused into one matrix each so a layer is four matrix multiplies; `check_weights`
 validates a checkpoint's tensors against the config before any is copied. The forward checks
-the step's abort flag between layers and raises `StepAborted` when it is set.
+a `between_layers` hook before each layer: the runner uses it to drop the rows of
+sequences cancelled while the step runs (so the rest of the forward neither computes
+nor touches their KV blocks), and to raise `StepAborted` when nobody is left.
 
 Numerics follow Hugging Face `transformers` (RMSNorm in float32, rotary tables in
 float32 cast to the activations' dtype) so greedy tokens match it.
@@ -13,8 +15,7 @@ float32 cast to the activations' dtype) so greedy tokens match it.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
@@ -30,6 +31,19 @@ from .rope import apply_rotary, rotary_tables
 
 class StepAborted(Exception):
     """Every sequence of the running step was cancelled; the forward stopped early."""
+
+
+@attrs.define
+class LayerBatch:
+    """What flows from one layer to the next; `between_layers` may shrink it."""
+
+    hidden: torch.Tensor  # [tokens, hidden]
+    cos: torch.Tensor  # [tokens, head_dim]
+    sin: torch.Tensor
+    meta: AttentionMetadata
+
+
+BetweenLayers = Callable[[LayerBatch], None]
 
 
 @attrs.define
@@ -80,7 +94,9 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> l
     expected = expected_shapes(config)
     missing = [name for name in expected if name not in weights]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
     for name, shape in expected.items():
         actual = tuple(weights[name].shape)
@@ -139,7 +155,9 @@ class LlamaModel:
                     k_norm=take(attn + "k_norm.weight") if c.qk_norm else None,
                     o_proj=take(attn + "o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                    gate_up=torch.cat(
+                        [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
+                    ),
                     down=take(mlp + "down_proj.weight"),
                 )
             )
@@ -153,17 +171,21 @@ class LlamaModel:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
-        abort: threading.Event | None = None,
+        between_layers: BetweenLayers | None = None,
     ) -> torch.Tensor:
         c = self.config
         eps = c.rms_norm_eps
-        cos = self.cos[positions].to(self.dtype)
-        sin = self.sin[positions].to(self.dtype)
-        hidden = F.embedding(input_ids, self.embed)
-        num_tokens = hidden.shape[0]
+        batch = LayerBatch(
+            F.embedding(input_ids, self.embed),
+            self.cos[positions].to(self.dtype),
+            self.sin[positions].to(self.dtype),
+            meta,
+        )
         for index, layer in enumerate(self.layers):
-            if abort is not None and abort.is_set():
-                raise StepAborted
+            if between_layers is not None:
+                between_layers(batch)
+            hidden, cos, sin = batch.hidden, batch.cos, batch.sin
+            num_tokens = hidden.shape[0]
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -176,13 +198,13 @@ class LlamaModel:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             attended = paged_attention(
-                q, k, v, kv_cache.keys[index], kv_cache.values[index], meta, self.scale
+                q, k, v, kv_cache.keys[index], kv_cache.values[index], batch.meta, self.scale
             )
             hidden = hidden + F.linear(attended, layer.o_proj)
             x = rms_norm(hidden, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
-        return rms_norm(hidden, self.final_norm, eps)
+            batch.hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(batch.hidden, self.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

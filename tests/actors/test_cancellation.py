@@ -238,3 +238,38 @@ async def test_other_requests_are_untouched_by_cancels_around_them():
             await engine.cancel(victim.id)
         results = [await s.wait() for s in survivors]
         assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+
+
+async def test_a_request_cancelled_mid_step_leaves_the_batch_at_the_next_layer():
+    async with open_engine() as engine:
+        prompt = "survivor of a shared step"
+        alone = await engine.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+        survivor = await engine.submit(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+        victim = await engine.submit("victim of a shared step", **LONG)
+        await wait_for(lambda: victim.info().tokens_generated >= 1)
+        steps: list[tuple[float, float]] = []
+        engine.step_listeners.append(lambda started, seconds, _: steps.append((started, seconds)))
+        gate = StepGate(engine)
+        await gate.wait_entered()
+        steps.clear()  # from here on, the first step reported is the gated one
+        victim_seq, survivor_seq = engine.sequence_of(victim.id), engine.sequence_of(survivor.id)
+        assert victim_seq.in_step and survivor_seq.in_step
+        reports = []
+        async with anyio.create_task_group() as tg:
+
+            async def cancel() -> None:
+                reports.append(await engine.cancel(victim.id))
+
+            tg.start_soon(cancel)
+            await wait_for(lambda: engine.get(victim.id).status == "cancelled")
+            assert not engine.step.abort.is_set()  # the survivor still wants this step
+            gate.open()
+        (report,) = reports
+        assert report.waited_for_step and report.blocks_released > 0
+        await wait_for(lambda: len(steps) >= 1)
+        started, seconds = steps[0]
+        released_at = engine.registry.get(victim.id).released_at
+        assert released_at < started + seconds  # freed before the step ended
+        assert engine.step.aborted_steps == 0
+        assert (await survivor.wait()).token_ids == alone.token_ids
+        assert_cancelled(engine, victim.id, "user")

@@ -212,10 +212,14 @@ async def test_the_checkpoints_generation_defaults_fill_in_unset_sampling_fields
 
 async def test_extreme_sampling_values_fail_nobody(engine: Engine):
     neighbour = await engine.submit("neighbour", max_tokens=8, **GREEDY)
-    tiny = await engine.generate("tiny temperature", max_tokens=8, temperature=1e-300, ignore_eos=True)
+    tiny = await engine.generate(
+        "tiny temperature", max_tokens=8, temperature=1e-300, ignore_eos=True
+    )
     greedy = await engine.generate("tiny temperature", max_tokens=8, **GREEDY)
     assert tiny.token_ids == greedy.token_ids  # below 1e-5 is greedy, not an overflow
-    hot = await engine.generate("hot", max_tokens=8, temperature=100, seed=2**64 - 1, ignore_eos=True)
+    hot = await engine.generate(
+        "hot", max_tokens=8, temperature=100, seed=2**64 - 1, ignore_eos=True
+    )
     assert hot.finish_reason == "length"
     assert (await neighbour.wait()).finish_reason == "length"
     with pytest.raises(InvalidRequest, match="seed"):

@@ -75,7 +75,9 @@ async def test_parent_and_children_generate_the_same_greedy_tokens():
 
 async def test_samples_start_as_one_family_that_shares_and_cancels_together():
     async with open_engine() as engine:
-        jobs = await engine.submit_samples(PROMPT, n=4, max_tokens=1, temperature=0.7, seed=5, ignore_eos=True)
+        jobs = await engine.submit_samples(
+            PROMPT, n=4, max_tokens=1, temperature=0.7, seed=5, ignore_eos=True
+        )
         assert len(jobs) == 4 and len({j.id for j in jobs}) == 4
         parent = engine.get(jobs[0].id)
         assert parent.children == tuple(j.id for j in jobs[1:])

@@ -1,0 +1,101 @@
+"""The model runner's step control: a chunk cancelled between layers leaves the batch,
+is handed back at once, and the other chunks' results do not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscope.cache.kv_cache import KVCache
+from kvscope.models.llama import LayerBatch, StepAborted
+from kvscope.models.loader import tiny_random
+from kvscope.models.runner import ChunkInput, ModelRunner, StepControl, StepInput
+from kvscope.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def make_runner() -> ModelRunner:
+    loaded = tiny_random(device=torch.device("cpu"), dtype=torch.float32, seed=3)
+    c = loaded.config
+    kv = KVCache(
+        num_layers=c.num_layers,
+        num_blocks=32,
+        block_size=4,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    return ModelRunner(loaded.model, kv)
+
+
+def chunks() -> list[ChunkInput]:
+    return [
+        ChunkInput([5], 0, [0], True, GREEDY, None),  # a one-token chunk (decode row)
+        ChunkInput(list(range(10, 19)), 0, [1, 2, 3], True, GREEDY, None),
+        ChunkInput(list(range(30, 37)), 0, [4, 5], True, GREEDY, None),
+    ]
+
+
+class CancelAtLayer(StepControl):
+    """Cancels `chunk` just before layer `layer` runs, as the event loop would."""
+
+    def __init__(self, chunk: int, layer: int) -> None:
+        super().__init__(dropped=self.record)
+        self.chunk, self.layer, self.calls = chunk, layer, 0
+        self.handed_back: list[list[int]] = []
+
+    def take_cancelled(self) -> set[int]:
+        if self.calls == self.layer:
+            self.cancel(self.chunk)
+        self.calls += 1
+        return super().take_cancelled()
+
+    def record(self, chunk_ids: list[int]) -> None:
+        self.handed_back.append(chunk_ids)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 2])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_chunk_cancelled_between_layers_is_dropped_and_the_rest_is_unchanged(
+    chunk: int, layer: int
+):
+    whole = make_runner().execute(StepInput(chunks(), []))
+    control = CancelAtLayer(chunk, layer)
+    pruned = make_runner().execute(StepInput(chunks(), []), control)
+    assert control.handed_back == [[chunk]]
+    assert pruned[chunk] is None
+    assert [t for i, t in enumerate(pruned) if i != chunk] == [
+        t for i, t in enumerate(whole) if i != chunk
+    ]
+
+
+def test_nobody_left_or_the_abort_flag_stops_the_forward():
+    runner = make_runner()
+    control = StepControl()
+    for index in range(3):
+        control.cancel(index)
+    with pytest.raises(StepAborted):
+        runner.execute(StepInput(chunks(), []), control)
+    control = StepControl()
+    control.abort.set()
+    with pytest.raises(StepAborted):
+        runner.execute(StepInput(chunks(), []), control)
+
+
+def test_the_hook_sees_every_layer():
+    runner = make_runner()
+    seen: list[int] = []
+
+    def hook(batch: LayerBatch) -> None:
+        seen.append(batch.hidden.shape[0])
+
+    runner.model.forward(
+        torch.tensor([1, 2, 3]),
+        torch.tensor([0, 1, 2]),
+        runner.metadata([ChunkInput([1, 2, 3], 0, [0], True, GREEDY, None)], [0]),
+        runner.kv_cache,
+        hook,
+    )
+    assert seen == [3] * runner.model.config.num_layers
