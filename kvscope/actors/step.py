@@ -8,7 +8,8 @@ forward and sampling in a worker thread so the event loop stays responsive; unpi
 hand each live request its token with a synchronous call, never awaiting a consumer.
 
 A request cancelled while its sequence is in the running step is dropped from the
-batch at the next layer boundary (`note_cancelled` tells the runner through the step's
+batch at the forward's next checkpoint, before each layer's attention and MLP
+(`note_cancelled` tells the runner through the step's
 `StepControl`); the runner hands its chunk back and its blocks are unpinned, and so
 released, right then rather than when the step ends. When every sequence of the step
 is cancelled, the forward stops (`StepAborted`). Idle, the actor sleeps on a wake-up
@@ -65,11 +66,11 @@ class StepActor:
 
     @property
     def abort(self) -> threading.Event:
-        """Set to stop the running forward at the next layer (shutdown)."""
+        """Set to stop the running forward at its next checkpoint (shutdown)."""
         return self.control.abort
 
     def note_cancelled(self, seq: Sequence) -> None:
-        """`seq`, in the running step, was cancelled: drop it at the next layer, and stop
+        """`seq`, in the running step, was cancelled: drop it at the next checkpoint, and stop
         the forward if nobody is left."""
         if seq not in self._in_flight:
             return

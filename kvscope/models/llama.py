@@ -5,9 +5,10 @@ One forward runs a mixed batch (decode tokens and prefill chunks, laid out flat 
 that sample into float32 logits. Weights are plain tensors, with q/k/v and gate/up
 fused into one matrix each so a layer is four matrix multiplies; `check_weights`
 validates a checkpoint's tensors against the config before any is copied. The forward checks
-a `between_layers` hook before each layer: the runner uses it to drop the rows of
-sequences cancelled while the step runs (so the rest of the forward neither computes
-nor touches their KV blocks), and to raise `StepAborted` when nobody is left.
+a `checkpoint` hook before each layer's attention and before its MLP: the runner uses
+it to drop the rows of sequences cancelled while the step runs (so the rest of the
+forward neither computes nor touches their KV blocks), and to raise `StepAborted`
+when nobody is left.
 
 Numerics follow Hugging Face `transformers` (RMSNorm in float32, rotary tables in
 float32 cast to the activations' dtype) so greedy tokens match it.
@@ -35,7 +36,7 @@ class StepAborted(Exception):
 
 @attrs.define
 class LayerBatch:
-    """What flows from one layer to the next; `between_layers` may shrink it."""
+    """What flows through the layers; a `checkpoint` may shrink it (drop rows)."""
 
     hidden: torch.Tensor  # [tokens, hidden]
     cos: torch.Tensor  # [tokens, head_dim]
@@ -43,7 +44,7 @@ class LayerBatch:
     meta: AttentionMetadata
 
 
-BetweenLayers = Callable[[LayerBatch], None]
+Checkpoint = Callable[[LayerBatch], None]
 
 
 @attrs.define
@@ -171,7 +172,7 @@ class LlamaModel:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
-        between_layers: BetweenLayers | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> torch.Tensor:
         c = self.config
         eps = c.rms_norm_eps
@@ -182,8 +183,8 @@ class LlamaModel:
             meta,
         )
         for index, layer in enumerate(self.layers):
-            if between_layers is not None:
-                between_layers(batch)
+            if checkpoint is not None:
+                checkpoint(batch)
             hidden, cos, sin = batch.hidden, batch.cos, batch.sin
             num_tokens = hidden.shape[0]
             x = rms_norm(hidden, layer.input_norm, eps)
@@ -200,7 +201,10 @@ class LlamaModel:
             attended = paged_attention(
                 q, k, v, kv_cache.keys[index], kv_cache.values[index], batch.meta, self.scale
             )
-            hidden = hidden + F.linear(attended, layer.o_proj)
+            batch.hidden = hidden + F.linear(attended, layer.o_proj)
+            if checkpoint is not None:
+                checkpoint(batch)  # halfway through the layer: the MLP is half its time
+            hidden = batch.hidden
             x = rms_norm(hidden, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             batch.hidden = hidden + F.linear(F.silu(gate) * up, layer.down)

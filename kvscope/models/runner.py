@@ -5,8 +5,9 @@ step (`StepInput`, built on the event loop, so the loop may change sequences whi
 forward runs), applies copy-on-write block copies, builds the flat batch and the
 attention metadata once, runs the forward, and samples the rows that need a token.
 
-`StepControl` is how the event loop talks to a running step. Between layers the runner
-takes the chunks cancelled since the last layer, drops their rows from the batch (so
+`StepControl` is how the event loop talks to a running step. At each checkpoint of the
+forward (before every layer's attention and MLP) the runner takes the chunks cancelled
+since the last one, drops their rows from the batch (so
 the remaining layers neither compute them nor touch their KV blocks), and hands their
 indices to `StepControl.dropped`, which releases their blocks on the event loop at
 once instead of at the end of the step. When no chunk is left, or the abort flag is
@@ -94,15 +95,15 @@ class ModelRunner:
                 input_ids.extend(chunk.token_ids)
                 positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
             live = list(range(len(chunks)))
-            between_layers = None
+            checkpoint = None
             if control is not None:
-                between_layers = _Pruner(self, chunks, live, control)
+                checkpoint = _Pruner(self, chunks, live, control)
             hidden = self.model.forward(
                 torch.tensor(input_ids, device=self.device),
                 torch.tensor(positions, device=self.device),
                 self.metadata(chunks, live),
                 self.kv_cache,
-                between_layers,
+                checkpoint,
             )
             tokens: list[int | None] = [None] * len(chunks)
             rows, samplers, row = [], [], 0
@@ -133,7 +134,7 @@ class ModelRunner:
 
 
 class _Pruner:
-    """The forward's `between_layers` hook: drops the rows of cancelled chunks."""
+    """The forward's `checkpoint` hook: drops the rows of cancelled chunks."""
 
     def __init__(
         self, runner: ModelRunner, chunks: list[ChunkInput], live: list[int], control: StepControl

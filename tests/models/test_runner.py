@@ -39,7 +39,7 @@ def chunks() -> list[ChunkInput]:
 
 
 class CancelAtLayer(StepControl):
-    """Cancels `chunk` just before layer `layer` runs, as the event loop would."""
+    """Cancels `chunk` just before checkpoint `layer`, as the event loop would."""
 
     def __init__(self, chunk: int, layer: int) -> None:
         super().__init__(dropped=self.record)
@@ -57,7 +57,7 @@ class CancelAtLayer(StepControl):
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 2])
-@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("layer", [0, 1, 2, 3])  # checkpoints: 2 a layer
 def test_a_chunk_cancelled_between_layers_is_dropped_and_the_rest_is_unchanged(
     chunk: int, layer: int
 ):
@@ -84,7 +84,7 @@ def test_nobody_left_or_the_abort_flag_stops_the_forward():
         runner.execute(StepInput(chunks(), []), control)
 
 
-def test_the_hook_sees_every_layer():
+def test_the_checkpoint_runs_twice_a_layer():
     runner = make_runner()
     seen: list[int] = []
 
@@ -98,4 +98,4 @@ def test_the_hook_sees_every_layer():
         runner.kv_cache,
         hook,
     )
-    assert seen == [3] * runner.model.config.num_layers
+    assert seen == [3] * 2 * runner.model.config.num_layers  # before attention and MLP
