@@ -38,6 +38,7 @@ def assert_clean(engine: Engine) -> None:
     assert stats["kv_blocks_in_use"] == 0, stats
     assert stats["live_requests"] == 0, stats
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["tasks"] == 0, stats
 
 
 @pytest.fixture

@@ -114,6 +114,7 @@ class Engine:
         self._closing = False
         self._idle = anyio.Event()
         self._idle.set()
+        self._request_tasks = 0
         #: Called with each request's state once its blocks are released (metrics).
         self.release_listeners: list[Callable[[RequestState], None]] = []
         #: Called after each step with (start time, forward seconds, batch size).
@@ -332,6 +333,9 @@ class Engine:
             "cancelled": self.counts["cancelled"],
             "failed": self.counts["failed"],
             "steps": self.step.steps,
+            # Request tasks running now, counted by the tasks themselves as they enter
+            # and leave (the step actor is not counted): 0 when nothing leaked.
+            "tasks": self._request_tasks,
         }
 
     def audit_records(self) -> list[dict[str, Any]]:
@@ -524,7 +528,11 @@ class Engine:
             state.blocks_released,
         )
 
+    def task_entered(self, state: RequestState) -> None:
+        self._request_tasks += 1
+
     def retire_request(self, state: RequestState) -> None:
+        self._request_tasks -= 1
         self.registry.retire(state)
         if self.registry.num_live == 0:
             self._idle.set()

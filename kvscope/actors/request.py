@@ -36,6 +36,8 @@ class RequestCore(Protocol):
 
     def close_request(self, state: RequestState, cancel_reason: str) -> None: ...
 
+    def task_entered(self, state: RequestState) -> None: ...
+
     def retire_request(self, state: RequestState) -> None: ...
 
 
@@ -280,6 +282,7 @@ async def run_request(
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """The request task. Its scope is the request: cancelling it ends the request."""
+    core.task_entered(state)
     try:
         with anyio.CancelScope() as scope:
             if state.timeout is not None:

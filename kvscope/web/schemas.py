@@ -134,6 +134,7 @@ class Stats(BaseModel):
     cancelled: int
     failed: int
     steps: int
+    tasks: int
 
 
 class Health(BaseModel):
