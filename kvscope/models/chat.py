@@ -34,7 +34,15 @@ from kvscope.errors import InvalidRequest
 from .errors import ModelLoadError
 
 #: The named special tokens transformers passes to every template (when set).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -65,8 +73,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -100,7 +116,9 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     @staticmethod
     def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set attribute {name!r} on a namespace")
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot set attribute {name!r} on a namespace"
+            )
 
 
 @lru_cache(maxsize=32)
@@ -213,14 +231,20 @@ def read_chat_template(directory: Path, tokenizer_config: Mapping[str, Any]) -> 
     transformers 5 saves it), else `tokenizer_config.json`'s `chat_template` (a string,
     or a list of named templates of which "default" is taken). Checked to compile."""
     path = directory / "chat_template.jinja"
-    template: Any = path.read_text(encoding="utf-8") if path.is_file() else tokenizer_config.get("chat_template")
+    template: Any = (
+        path.read_text(encoding="utf-8")
+        if path.is_file()
+        else tokenizer_config.get("chat_template")
+    )
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
     if template is None:
         return None
     if not isinstance(template, str):
-        raise ModelLoadError(f"{directory}: chat_template is a {type(template).__name__}, not a string")
+        raise ModelLoadError(
+            f"{directory}: chat_template is a {type(template).__name__}, not a string"
+        )
     try:
         compile_template(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:

@@ -53,16 +53,31 @@ class LoadedModel:
     chat_template: str | None = None
     generation_defaults: dict[str, Any] = attrs.field(factory=dict)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
         """The chat as the model's template renders it, with its special tokens."""
         if self.chat_template is None:
             raise ChatTemplateError(f"model {self.name!r} has no chat template")
         tokens = special_tokens(getattr(self.tokenizer, "config", {}))
         return render_chat(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **{**tokens, **extra}
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            **{**tokens, **extra},
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> list[int]:
         """The token ids of the rendered chat (its special tokens come from the template)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -142,7 +157,9 @@ def random_weights(config: ModelConfig, seed: int, std: float = 0.5) -> dict[str
 
 def tiny_random(*, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
     model = LlamaModel(TINY_CONFIG, random_weights(TINY_CONFIG, seed), dtype=dtype, device=device)
-    return LoadedModel(name="tiny-random", model=model, tokenizer=ByteTokenizer(), config=TINY_CONFIG)
+    return LoadedModel(
+        name="tiny-random", model=model, tokenizer=ByteTokenizer(), config=TINY_CONFIG
+    )
 
 
 # -- Hugging Face checkpoints -----------------------------------------------------
@@ -251,7 +268,9 @@ def weight_files(directory: Path) -> list[Path]:
         files = [directory / shard for shard in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(f"{directory} lacks shard(s) named in its index: {', '.join(missing)}")
+            raise ModelLoadError(
+                f"{directory} lacks shard(s) named in its index: {', '.join(missing)}"
+            )
         return files
     if list(directory.glob("*.bin")) or list(directory.glob("*.pt")):
         raise ModelLoadError(
@@ -273,7 +292,11 @@ def read_safetensors(directory: Path, *, progress: bool | None = None) -> dict[s
         progress = len(files) > 1 or total >= PROGRESS_BYTES
     weights: dict[str, torch.Tensor] = {}
     with tqdm(
-        total=total, desc=f"loading {directory.name}", unit="B", unit_scale=True, disable=not progress
+        total=total,
+        desc=f"loading {directory.name}",
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
     ) as bar:
         for file in files:
             try:
@@ -320,9 +343,16 @@ def load_checkpoint(
     weights = read_safetensors(directory, progress=progress)
     unused = check_weights(config, weights)
     if unused:
-        log.warning("%s: ignoring %d tensor(s) the decoder does not use, e.g. %s", directory, len(unused), unused[0])
+        log.warning(
+            "%s: ignoring %d tensor(s) the decoder does not use, e.g. %s",
+            directory,
+            len(unused),
+            unused[0],
+        )
     model = LlamaModel(config, weights, dtype=torch_dtype, device=device)
-    defaults: dict[str, Any] = {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
+    defaults: dict[str, Any] = {
+        k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation
+    }
     return LoadedModel(
         name=name or directory.name,
         model=model,

@@ -21,7 +21,9 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return str(scaling.get("rope_type", scaling.get("type", "default")))
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
     """The inverse frequencies and the attention scaling factor."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -51,7 +53,11 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
 
 
 def rotary_tables(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, device: torch.device
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    max_positions: int,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq, attention_scaling = inverse_frequencies(head_dim, theta, scaling)
     positions = torch.arange(max_positions, dtype=torch.float)

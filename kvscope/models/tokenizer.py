@@ -53,12 +53,18 @@ class HFTokenizer:
             raise FileNotFoundError(f"{directory} has no tokenizer.json")
         self._tok = _Tokenizer.from_file(str(path))
         config_path = directory / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.config: dict[str, Any] = (
+            json.loads(config_path.read_text()) if config_path.is_file() else {}
+        )
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos = list(eos_token_ids)
-        if self.eos_token and (eid := self._tok.token_to_id(self.eos_token)) is not None and eid not in eos:
+        if (
+            self.eos_token
+            and (eid := self._tok.token_to_id(self.eos_token)) is not None
+            and eid not in eos
+        ):
             eos.append(eid)
         self.eos_token_ids = tuple(eos)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
