@@ -5,7 +5,9 @@ response body. Quart iterates it after the route returned, in the connection's t
 so (STYLE 11) it holds no task group or cancel scope across a `yield`; it only
 consumes. When it is closed before its events ran out (the client went away, so Quart
 cancelled the connection's task and closed the body) it cancels its requests with the
-synchronous `engine.cancel_nowait(..., reason="disconnect")`. It also counts itself in
+synchronous `engine.cancel_nowait(..., reason="disconnect")`, and so does a body that
+is dropped without ever being iterated (the client left before the stream began). It
+also counts itself in
 the server's open streams, so shutdown can wait for every final event to be sent.
 """
 
@@ -71,6 +73,16 @@ class StreamBody:
     async def aclose(self) -> None:
         self._close()
         await self._events.aclose()
+
+    def __del__(self) -> None:
+        # The safety net for a client that leaves between the route's return and the
+        # first read of the body: Quart then drops the response without iterating or
+        # closing it, and the request would run on for nobody.
+        if not self._closed:
+            try:
+                self._close()
+            except Exception:  # at interpreter exit the engine may be gone
+                pass
 
     def _close(self) -> None:
         """Synchronous, idempotent: count the stream closed, cancel if it ended early."""
