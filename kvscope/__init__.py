@@ -2,7 +2,7 @@
 and free their KV cache at once, leaving every other request untouched."""
 
 from kvscope.actors.engine import Engine
-from kvscope.actors.handles import Job, Request
+from kvscope.actors.handles import Job, MergedStream, Request, merge_streams
 from kvscope.actors.messages import CancelReport, Completion, Delta, RequestInfo
 from kvscope.config import EngineConfig
 from kvscope.errors import (
@@ -28,9 +28,11 @@ __all__ = [
     "InvalidRequest",
     "Job",
     "KvscopeError",
+    "MergedStream",
     "Request",
     "RequestConflict",
     "RequestInfo",
     "SamplingParams",
     "UnknownRequest",
+    "merge_streams",
 ]

@@ -3,12 +3,16 @@
 
 A stream only reads the request's log; it never owns the request, so any number of
 watchers may read one request, and a watcher that stops reading cancels nothing.
+`MergedStream` reads several requests at once (the `n` samples of one call), in the
+order their deltas arrive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .messages import Completion, Delta, RequestInfo
-from .request import RequestState
+from .request import RequestState, wait_any_changed
 
 
 class DeltaStream:
@@ -31,6 +35,41 @@ class DeltaStream:
             if state.ended.is_set():
                 raise StopAsyncIteration
             await state.wait_changed()
+
+
+class MergedStream:
+    """Async iterator over several requests' deltas as they arrive: `(index, Delta)`
+    pairs, and `(index, None)` once request `index` has ended and all of it was read."""
+
+    def __init__(self, states: Sequence[RequestState]) -> None:
+        self._states = list(states)
+        self._next = [0] * len(self._states)
+        self._ended = [False] * len(self._states)
+
+    def __aiter__(self) -> MergedStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, Delta | None]:
+        while True:
+            pending = []
+            for index, state in enumerate(self._states):
+                if self._ended[index]:
+                    continue
+                if self._next[index] < len(state.log):
+                    self._next[index] += 1
+                    return index, state.log[self._next[index] - 1]
+                if state.ended.is_set():
+                    self._ended[index] = True
+                    return index, None
+                pending.append(state)
+            if not pending:
+                raise StopAsyncIteration
+            await wait_any_changed(pending)
+
+
+def merge_streams(handles: Sequence[_Handle]) -> MergedStream:
+    """Read several requests' deltas together, in arrival order."""
+    return MergedStream([handle._state for handle in handles])
 
 
 class _Handle:

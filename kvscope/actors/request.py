@@ -81,8 +81,7 @@ class RequestState:
         self._emitted = 0  # characters of `text` already published
         self.token_ids: list[int] = []
         self.log: list[Delta] = []
-        self._changed = anyio.Event()
-        self._watched = False
+        self._waiters: list[anyio.Event] = []  # set at the next delta or the end
         self._generation_done = anyio.Event()
         self.ended = anyio.Event()  # the request's own generation ended and was published
         self.released = anyio.Event()  # its KV blocks are back in the pool
@@ -199,14 +198,13 @@ class RequestState:
             self._notify()
 
     def _notify(self) -> None:
-        if self._watched:
-            self._changed.set()
-            self._changed = anyio.Event()
-            self._watched = False
+        if self._waiters:
+            for waiter in self._waiters:
+                waiter.set()
+            self._waiters.clear()
 
     async def wait_changed(self) -> None:
-        self._watched = True
-        await self._changed.wait()
+        await wait_any_changed([self])
 
     def mark_ended(self, reason: str) -> None:
         """Record the final status and publish the end (called once, by the cleanup)."""
@@ -216,7 +214,7 @@ class RequestState:
         self.seq.status = self.final_status
         self._publish(None, flush=True)
         self.ended.set()
-        self._changed.set()
+        self._notify()
 
     def mark_released(self) -> None:
         self.released_at = time.perf_counter()
@@ -273,6 +271,20 @@ class RequestState:
             "blocks_released": self.blocks_released,
             "error": self.error,
         }
+
+
+async def wait_any_changed(states: list[RequestState]) -> None:
+    """Wait until any of `states` publishes a delta or ends (no task group needed, so a
+    stream generator may call it)."""
+    event = anyio.Event()
+    for state in states:
+        state._waiters.append(event)
+    try:
+        await event.wait()
+    finally:
+        for state in states:
+            if event in state._waiters:
+                state._waiters.remove(event)
 
 
 async def run_request(

@@ -19,7 +19,7 @@ from typing import Any
 from quart import Blueprint
 from quart_schema import document_request
 
-from kvscope import Job
+from kvscope import Job, merge_streams
 
 from .auth import current_owner
 from .bodies import read_body
@@ -155,7 +155,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 async def _chunks(
     ctx: ServerContext, jobs: list[Job], body: OpenAISampling, *, chat: bool
 ) -> AsyncGenerator[dict[str, Any] | str, None]:
-    """The SSE chunks of every sample in turn, the usage chunk if asked, `[DONE]`."""
+    """The SSE chunks of the samples as they arrive, the usage chunk if asked, `[DONE]`."""
     request_id, created, model = jobs[0].id, int(time.time()), ctx.engine.model_name
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -179,15 +179,16 @@ async def _chunks(
         }
 
     completion_tokens = 0
-    for index, job in enumerate(jobs):
-        if chat:
+    if chat:
+        for index in range(len(jobs)):
             yield chunk(index, "", None, role=True)
-        async for delta in job:
-            if delta.text:
-                yield chunk(index, delta.text, None)
-        result = job.result
-        completion_tokens += result.completion_tokens
-        yield chunk(index, None if chat else "", result.finish_reason)
+    async for index, delta in merge_streams(jobs):  # the samples interleaved, as they come
+        if delta is None:
+            result = jobs[index].result
+            completion_tokens += result.completion_tokens
+            yield chunk(index, None if chat else "", result.finish_reason)
+        elif delta.text:
+            yield chunk(index, delta.text, None)
     if body.include_usage:
         yield {
             "id": request_id,

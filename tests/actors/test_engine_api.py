@@ -224,3 +224,23 @@ async def test_extreme_sampling_values_fail_nobody(engine: Engine):
     assert (await neighbour.wait()).finish_reason == "length"
     with pytest.raises(InvalidRequest, match="seed"):
         await engine.generate("x", seed=2**64)
+
+
+async def test_merged_streams_interleave_samples_as_they_arrive(engine: Engine):
+    from kvscope import merge_streams
+
+    jobs = await engine.submit_samples("merge", n=3, max_tokens=6, temperature=0.9, seed=1, ignore_eos=True)
+    order: list[int] = []
+    texts = ["", "", ""]
+    ends: list[int] = []
+    async for index, delta in merge_streams(jobs):
+        if delta is None:
+            ends.append(index)
+        else:
+            order.append(index)
+            texts[index] += delta.text
+    assert sorted(ends) == [0, 1, 2]
+    assert [texts[i] for i in range(3)] == [job.result.text for job in jobs]
+    # The samples decode in the same steps, so their deltas alternate rather than
+    # arriving one sample after another.
+    assert order[:3] != [0, 0, 0] and len(set(order[:6])) > 1

@@ -91,6 +91,10 @@ def test_streaming_completion_and_chat(live: Live, client: openai.OpenAI) -> Non
     finals = [ch for c in chunks for ch in c.choices if ch.finish_reason]
     assert sorted(ch.index for ch in finals) == [0, 1]
     assert chunks[-1].usage.completion_tokens == 10
+    # The two samples decode side by side, so their chunks interleave: sample 1's
+    # first text arrives before sample 0 has finished.
+    indices = [ch.index for c in chunks for ch in c.choices]
+    assert indices.index(1) < max(i for i, index in enumerate(indices) if index == 0)
     stream = client.chat.completions.create(
         model="m",
         messages=[{"role": "user", "content": "yo"}],
