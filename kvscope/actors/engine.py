@@ -214,7 +214,7 @@ class Engine:
         try:
             yield Request(state)
         finally:
-            _cancel_tree(state, "scope", None)
+            self._cancel_tree(state, "scope", None)
             # Leaving the block means the request is over and its blocks are free (a
             # step in flight is aborted when nobody else is in it, so this is short).
             with anyio.CancelScope(shield=True):
@@ -279,7 +279,7 @@ class Engine:
             return CancelReport(id=request_id, found=False, status="unknown")
         status = state.status.public
         children = len(state.live_descendants())
-        if not _cancel_tree(state, reason, by):
+        if not self._cancel_tree(state, reason, by):
             return CancelReport(
                 id=request_id,
                 found=True,
@@ -303,7 +303,7 @@ class Engine:
     def cancel_nowait(self, request_id: str, reason: str = "user", by: str | None = None) -> bool:
         """Cancel without waiting (for `finally` blocks); False if unknown or ended."""
         state = self.registry.get(request_id)
-        return state is not None and _cancel_tree(state, reason, by)
+        return state is not None and self._cancel_tree(state, reason, by)
 
     def get(self, request_id: str) -> RequestInfo | None:
         state = self.registry.get(request_id)
@@ -547,23 +547,27 @@ class Engine:
         for listener in self.step_listeners:
             listener(started, forward_seconds, batch)
 
+    def _cancel_tree(self, state: RequestState, reason: str, by: str | None) -> bool:
+        """Cancel `state`, or, if it has ended, its live children; True if it was live.
+
+        Cancelling a live request's scope cancels its children by structure; an ended
+        request's task lingers only to host its children, which are cancelled one by
+        one. The step actor hears of every sequence so cancelled at once, so one in the
+        running step leaves it at the next checkpoint without waiting for the request
+        task's cleanup to run first (that cleanup still releases it, in either order).
+        """
+        if state.cancel(reason, by):
+            for cancelled in (state, *state.live_descendants()):
+                self.step.note_cancelled(cancelled.seq)
+            return True
+        for child in state.children:
+            if not child.task_done.is_set():
+                self._cancel_tree(child, "parent", state.id)
+        return False
+
     def sequence_of(self, request_id: str) -> Sequence | None:
         state = self.registry.get(request_id)
         return state.seq if state is not None else None
-
-
-def _cancel_tree(state: RequestState, reason: str, by: str | None) -> bool:
-    """Cancel `state`, or, if it has ended, its live children; True if it was live.
-
-    Cancelling a live request's scope cancels its children by structure; an ended
-    request's task lingers only to host its children, which are cancelled one by one.
-    """
-    if state.cancel(reason, by):
-        return True
-    for child in state.children:
-        if not child.task_done.is_set():
-            _cancel_tree(child, "parent", state.id)
-    return False
 
 
 __all__ = ["Engine", "RequestStatus"]
