@@ -97,6 +97,19 @@ async def _one(engine: Engine, prompt: list[int], max_tokens: int, limit: anyio.
         out.append({"start": t0, "token_times": times, "tokens": tokens})
 
 
+def level_figures(concurrency: int, records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """One concurrency level's throughput and latency figures (engine or HTTP runs)."""
+    tokens = sum(r["tokens"] for r in records)
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        **request_figures(records),
+    }
+
+
 def request_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     ttft = [r["token_times"][0] - r["start"] for r in records if r["token_times"]]
     itl = [b - a for r in records for a, b in zip(r["token_times"], r["token_times"][1:], strict=False)]
@@ -112,15 +125,7 @@ async def run_level(engine: Engine, workload: Workload, concurrency: int, timeou
             for prompt in workload.prompts:
                 tg.start_soon(_one, engine, prompt, workload.max_tokens, limit, records)
     wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in records)
-    return {
-        "concurrency": concurrency,
-        "requests": len(records),
-        "output_tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 1),
-        **request_figures(records),
-    }
+    return level_figures(concurrency, records, wall)
 
 
 async def run_engine(

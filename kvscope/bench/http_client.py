@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import httpx
 
-from .engine_run import request_figures
+from .engine_run import level_figures
 from .workload import Deadline, Workload
 
 
@@ -94,12 +94,4 @@ async def run_http_level(
                 for prompt in workload.prompts:
                     tg.start_soon(one, client, prompt)
     wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in records)
-    return {
-        "concurrency": concurrency,
-        "requests": len(records),
-        "output_tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 1),
-        **request_figures(records),
-    }
+    return level_figures(concurrency, records, wall)
