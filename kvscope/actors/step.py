@@ -9,9 +9,9 @@ hand each live request its token with a synchronous call, never awaiting a consu
 
 A request cancelled while its sequence is in the running step is dropped from the
 batch at the forward's next checkpoint, before each layer's attention and MLP
-(`note_cancelled` tells the runner through the step's
-`StepControl`); the runner hands its chunk back and its blocks are unpinned, and so
-released, right then rather than when the step ends. When every sequence of the step
+(`note_cancelled` tells the runner through the step's `StepControl`); the runner hands
+its chunk back and its blocks are unpinned, and so released, right then rather than
+when the step ends. When every sequence of the step
 is cancelled, the forward stops (`StepAborted`). Idle, the actor sleeps on a wake-up
 event that any new request sets.
 """
