@@ -30,24 +30,53 @@ LAG = "kvscope_event_loop_lag_seconds"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir or tiny-random (default: the reference Llama)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint dir or tiny-random (default: the reference Llama)"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--threads", default="1", help="model threads of the server (comma-separated, each measured)")
+    p.add_argument(
+        "--threads",
+        default="1",
+        help="model threads of the server (comma-separated, each measured)",
+    )
     p.add_argument("--requests", type=int, default=32, help="concurrent streaming requests")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--cancel-fraction", type=float, default=0.5, help="share of the requests cancelled")
-    p.add_argument("--disconnect-fraction", type=float, default=0.25,
-                   help="share of the cancels done by closing the stream instead of DELETE")
-    p.add_argument("--cancel-after", default="8,64", help="cancel after a random number of tokens in MIN,MAX")
-    p.add_argument("--jitter-ms", type=float, default=40.0,
-                   help="random wait after that token before cancelling, so cancels land anywhere in a step")
-    p.add_argument("--stats-interval", type=float, default=0.05, help="seconds between GET /stats samples")
+    p.add_argument(
+        "--cancel-fraction", type=float, default=0.5, help="share of the requests cancelled"
+    )
+    p.add_argument(
+        "--disconnect-fraction",
+        type=float,
+        default=0.25,
+        help="share of the cancels done by closing the stream instead of DELETE",
+    )
+    p.add_argument(
+        "--cancel-after", default="8,64", help="cancel after a random number of tokens in MIN,MAX"
+    )
+    p.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=40.0,
+        help="random wait after that token before cancelling, so cancels land anywhere in a step",
+    )
+    p.add_argument(
+        "--stats-interval", type=float, default=0.05, help="seconds between GET /stats samples"
+    )
     p.add_argument("--run-timeout", type=float, default=600)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="pairs of runs (with cancels, baseline), alternating which goes first; samples are pooled")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="pairs of runs (with cancels, baseline), alternating which goes first; samples are pooled",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument for kvscope serve (repeatable)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra argument for kvscope serve (repeatable)",
+    )
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvscope-bench"))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
@@ -70,8 +99,12 @@ def make_plans(args: argparse.Namespace, vocab: int, prompt_seed: int, cancels: 
 
 
 async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=2 * len(plans) + 8, max_keepalive_connections=2 * len(plans) + 8)
-    async with httpx.AsyncClient(base_url=base_url, timeout=args.run_timeout, limits=limits) as client:
+    limits = httpx.Limits(
+        max_connections=2 * len(plans) + 8, max_keepalive_connections=2 * len(plans) + 8
+    )
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=args.run_timeout, limits=limits
+    ) as client:
         metrics_before = (await client.get("/metrics")).text
         origin = time.perf_counter()
         records: list[dict[str, Any]] = []
@@ -83,16 +116,30 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
 
         with anyio.fail_after(args.run_timeout):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(poll_stats, client, args.stats_interval, origin, stop, timeline, args.run_timeout)
+                tg.start_soon(
+                    poll_stats,
+                    client,
+                    args.stats_interval,
+                    origin,
+                    stop,
+                    timeline,
+                    args.run_timeout,
+                )
                 async with anyio.create_task_group() as streams:
                     for plan in plans:
                         streams.start_soon(one, plan)
                 wall = time.perf_counter() - origin
                 stop.set()
         metrics_after = (await client.get("/metrics")).text
-    lag = prometheus.window(prometheus.histogram(metrics_before, LAG), prometheus.histogram(metrics_after, LAG))
-    return {"wall_s": round(wall, 3), "records": sorted(records, key=lambda r: r["index"]),
-            "timeline": timeline, "loop_lag_buckets": {str(k): v for k, v in lag.items()}}
+    lag = prometheus.window(
+        prometheus.histogram(metrics_before, LAG), prometheus.histogram(metrics_after, LAG)
+    )
+    return {
+        "wall_s": round(wall, 3),
+        "records": sorted(records, key=lambda r: r["index"]),
+        "timeline": timeline,
+        "loop_lag_buckets": {str(k): v for k, v in lag.items()},
+    }
 
 
 async def settle(base_url: str, timeout: float = 30) -> dict[str, Any]:
@@ -112,7 +159,9 @@ async def settle(base_url: str, timeout: float = 30) -> dict[str, Any]:
     return {"stats": stats, "health": health_body}
 
 
-async def bench_server(server: servers.Server, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+async def bench_server(
+    server: servers.Server, args: argparse.Namespace, vocab: int
+) -> dict[str, Any]:
     async with server:
         # Warm-up: up to 8 requests of the real shape (8 tokens each), so neither measured run pays first-use costs.
         warm = make_plans(args, vocab, 99, False)[:8]
@@ -126,7 +175,11 @@ async def bench_server(server: servers.Server, args: argparse.Namespace, vocab: 
             for name in order:
                 print(f"  round {i + 1}/{args.rounds}: {name.replace('_', ' ')} ...", flush=True)
                 seed = args.seed + 1 + 2 * i + (name == "baseline")  # fresh prompts every run
-                runs[name].append(await one_run(server.base_url, make_plans(args, vocab, seed, name != "baseline"), args))
+                runs[name].append(
+                    await one_run(
+                        server.base_url, make_plans(args, vocab, seed, name != "baseline"), args
+                    )
+                )
         after = await settle(server.base_url)
     return {name: merge(parts) for name, parts in runs.items()} | {"after": after}
 
@@ -137,8 +190,13 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     for part in parts:
         for le, n in part["loop_lag_buckets"].items():
             lag[le] = lag.get(le, 0.0) + n
-    return {"wall_s": round(sum(p["wall_s"] for p in parts), 3), "records": [r for p in parts for r in p["records"]],
-            "timeline": parts[0]["timeline"], "loop_lag_buckets": lag, "rounds": len(parts)}
+    return {
+        "wall_s": round(sum(p["wall_s"] for p in parts), 3),
+        "records": [r for p in parts for r in p["records"]],
+        "timeline": parts[0]["timeline"],
+        "loop_lag_buckets": lag,
+        "rounds": len(parts),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,19 +205,32 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(ensure_reference_model())
     vocab = vocab_size_of(model)
     result: dict[str, Any] = {
-        "benchmark": "cancel", "machine": machine.describe(),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                   if k not in ("func",) and not callable(v)},
+        "benchmark": "cancel",
+        "machine": machine.describe(),
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("func",) and not callable(v)
+        },
         "runs": [],
     }
     result["config"]["model"] = model
     for threads in [int(t) for t in args.threads.split(",")]:
         audit = args.log_dir / f"cancel-audit-{threads}-{int(time.time())}.jsonl"
         extra = ["--max-num-seqs", str(max(64, args.requests)), *args.server_arg]
-        server = servers.kvscope_server(model, threads=threads, dtype=args.dtype, audit_log=audit,
-                                        log_path=args.log_dir / f"cancel-serve-{threads}.log", extra=extra)
-        print(f"kvscope serve, {threads} model thread(s): {args.requests} streams of "
-              f"{args.prompt_tokens} prompt tokens ...", flush=True)
+        server = servers.kvscope_server(
+            model,
+            threads=threads,
+            dtype=args.dtype,
+            audit_log=audit,
+            log_path=args.log_dir / f"cancel-serve-{threads}.log",
+            extra=extra,
+        )
+        print(
+            f"kvscope serve, {threads} model thread(s): {args.requests} streams of "
+            f"{args.prompt_tokens} prompt tokens ...",
+            flush=True,
+        )
         try:
             raw = anyio.run(bench_server, server, args, vocab)
         except Exception:

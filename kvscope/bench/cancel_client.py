@@ -28,11 +28,23 @@ class Plan:
     jitter_s: float = 0.0
 
 
-async def run_stream(client: httpx.AsyncClient, plan: Plan, max_tokens: int, origin: float) -> dict[str, Any]:
-    rec: dict[str, Any] = {"index": plan.index, "action": plan.action, "start": time.perf_counter(),
-                           "token_times": [], "tokens": 0}
-    body = {"prompt_token_ids": plan.prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+async def run_stream(
+    client: httpx.AsyncClient, plan: Plan, max_tokens: int, origin: float
+) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "index": plan.index,
+        "action": plan.action,
+        "start": time.perf_counter(),
+        "token_times": [],
+        "tokens": 0,
+    }
+    body = {
+        "prompt_token_ids": plan.prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     acted = False
     async with client.stream("POST", "/generate", json=body) as response:
         rec["http_status"] = response.status_code
@@ -46,7 +58,10 @@ async def run_stream(client: httpx.AsyncClient, plan: Plan, max_tokens: int, ori
             event = json.loads(line[5:])
             rec["id"] = rec["id"] or event.get("id")
             if event.get("type") == "done":
-                rec["done"] = {k: event.get(k) for k in ("status", "finish_reason", "cancel_reason", "completion_tokens")}
+                rec["done"] = {
+                    k: event.get(k)
+                    for k in ("status", "finish_reason", "cancel_reason", "completion_tokens")
+                }
                 break
             if event.get("type") != "token" or acted:
                 continue
@@ -71,8 +86,14 @@ async def run_stream(client: httpx.AsyncClient, plan: Plan, max_tokens: int, ori
     return rec
 
 
-async def poll_stats(client: httpx.AsyncClient, interval: float, origin: float, stop: anyio.Event,
-                     out: list[dict[str, Any]], limit_s: float) -> None:
+async def poll_stats(
+    client: httpx.AsyncClient,
+    interval: float,
+    origin: float,
+    stop: anyio.Event,
+    out: list[dict[str, Any]],
+    limit_s: float,
+) -> None:
     """Sample `GET /stats` every `interval` s until `stop` is set or `limit_s` pass."""
     with anyio.move_on_after(limit_s):
         while not stop.is_set():

@@ -41,9 +41,12 @@ def _latency(records: list[dict[str, Any]], indices: set[int]) -> tuple[list[flo
 def _lag(run: dict[str, Any]) -> dict[str, Any]:
     buckets = {float(k): v for k, v in run["loop_lag_buckets"].items()}
     q = lambda x: None if x is None else round(x * 1e3, 3)  # noqa: E731
-    return {"samples": prometheus.count(buckets), "p50_ms": q(prometheus.quantile(buckets, 0.5)),
-            "p99_ms": q(prometheus.quantile(buckets, 0.99)),
-            "share_at_most_2_5ms": prometheus.share_at_most(buckets, 0.0025)}
+    return {
+        "samples": prometheus.count(buckets),
+        "p50_ms": q(prometheus.quantile(buckets, 0.5)),
+        "p99_ms": q(prometheus.quantile(buckets, 0.99)),
+        "share_at_most_2_5ms": prometheus.share_at_most(buckets, 0.0025),
+    }
 
 
 def figures(raw: dict[str, Any], audit: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -72,16 +75,23 @@ def figures(raw: dict[str, Any], audit: dict[str, dict[str, Any]]) -> dict[str, 
     itl_b_all = _latency(baseline["records"], {r["index"] for r in baseline["records"]})[1]
     s = lambda v: summary(v, 1e3)  # noqa: E731
     out: dict[str, Any] = {
-        "requests": len(recs), "survivor_count": len(keep), "deletes": len(deletes), "disconnects": len(disconnects),
+        "requests": len(recs),
+        "survivor_count": len(keep),
+        "deletes": len(deletes),
+        "disconnects": len(disconnects),
         "errors": [r.get("error") for r in recs + baseline["records"] if r.get("error")],
         "wall_s": {"with_cancels": cancelled["wall_s"], "baseline": baseline["wall_s"]},
         "delete_status": _counts(r["delete_status"] for r in deletes),
         "delete_rtt_ms": s([r["delete_rtt"] for r in deletes]),
-        "cancel_to_release_ms_report": s([x["release_seconds"] for x in reports if x.get("release_seconds") is not None]),
+        "cancel_to_release_ms_report": s(
+            [x["release_seconds"] for x in reports if x.get("release_seconds") is not None]
+        ),
         "cancel_to_release_ms_audit": s(audit_release),
         "cancels_waited_for_step": sum(1 for x in reports if x.get("waited_for_step")),
         "cancel_reports": len(reports),
-        "blocks_released_per_cancel": summary([x.get("blocks_released", 0) for x in reports])["mean"],
+        "blocks_released_per_cancel": summary([x.get("blocks_released", 0) for x in reports])[
+            "mean"
+        ],
         "disconnect_to_cancel_ms": s(disconnect_cancel),
         "disconnect_cancel_reasons": disconnect_reasons,
         "step_ms_baseline_itl_p50": s(itl_b_all)["p50"],
@@ -91,21 +101,40 @@ def figures(raw: dict[str, Any], audit: dict[str, dict[str, Any]]) -> dict[str, 
         },
         "loop_lag": {"with_cancels": _lag(cancelled), "baseline": _lag(baseline)},
         "after": raw["after"],
-        "kv_timeline": {"with_cancels": [(p["t"], p.get("kv_blocks_in_use")) for p in cancelled["timeline"]],
-                        "baseline": [(p["t"], p.get("kv_blocks_in_use")) for p in baseline["timeline"]]},
+        "kv_timeline": {
+            "with_cancels": [(p["t"], p.get("kv_blocks_in_use")) for p in cancelled["timeline"]],
+            "baseline": [(p["t"], p.get("kv_blocks_in_use")) for p in baseline["timeline"]],
+        },
         "cancel_times": sorted(r["cancel_at"] for r in deletes + disconnects),
-        "samples_ms": {name: [round(x * 1e3, 3) for x in v] for name, v in
-                       (("ttft_with", ttft_c), ("ttft_without", ttft_b), ("itl_with", itl_c), ("itl_without", itl_b))},
+        "samples_ms": {
+            name: [round(x * 1e3, 3) for x in v]
+            for name, v in (
+                ("ttft_with", ttft_c),
+                ("ttft_without", ttft_b),
+                ("itl_with", itl_c),
+                ("itl_without", itl_b),
+            )
+        },
     }
     sv = out["survivors"]
     for key in ("ttft_ms", "itl_ms"):
         sv[key]["ratio_p50"] = ratio(sv[key]["with_cancels"]["p50"], sv[key]["without"]["p50"])
         sv[key]["ratio_p99"] = ratio(sv[key]["with_cancels"]["p99"], sv[key]["without"]["p99"])
     stats = raw["after"]["stats"]
-    tasks = stats.get("tasks", raw["after"]["health"].get("tasks") if isinstance(raw["after"]["health"], dict) else None)
-    out["leaked"] = {"kv_blocks_in_use": stats.get("kv_blocks_in_use"), "live_requests": stats.get("live_requests"),
-                     "running": stats.get("running"), "waiting": stats.get("waiting"), "tasks": tasks}
-    out["leak_free"] = all(v in (0, None) for v in out["leaked"].values()) and stats.get("kv_blocks_in_use") == 0
+    tasks = stats.get(
+        "tasks",
+        raw["after"]["health"].get("tasks") if isinstance(raw["after"]["health"], dict) else None,
+    )
+    out["leaked"] = {
+        "kv_blocks_in_use": stats.get("kv_blocks_in_use"),
+        "live_requests": stats.get("live_requests"),
+        "running": stats.get("running"),
+        "waiting": stats.get("waiting"),
+        "tasks": tasks,
+    }
+    out["leak_free"] = (
+        all(v in (0, None) for v in out["leaked"].values()) and stats.get("kv_blocks_in_use") == 0
+    )
     out["targets"] = targets(out)
     return out
 
@@ -119,6 +148,7 @@ def _counts(values) -> dict[str, int]:
 
 def targets(f: dict[str, Any]) -> dict[str, Any]:
     """Each target of issue 5: the figure, the bound and whether it is met (None: not measured)."""
+
     def check(value: float | None, bound: float) -> dict[str, Any]:
         return {"value": value, "bound": bound, "met": None if value is None else value <= bound}
 
@@ -127,7 +157,9 @@ def targets(f: dict[str, Any]) -> dict[str, Any]:
         "delete_rtt_p99_ms<=5": check(f["delete_rtt_ms"]["p99"], 5),
         "cancel_to_release_p50_ms<=0.5": check(f["cancel_to_release_ms_report"]["p50"], 0.5),
         "cancel_to_release_p99_ms<=10": check(f["cancel_to_release_ms_report"]["p99"], 10),
-        "disconnect_to_cancel_p99<=one_step": check(f["disconnect_to_cancel_ms"]["p99"], step or 0.0),
+        "disconnect_to_cancel_p99<=one_step": check(
+            f["disconnect_to_cancel_ms"]["p99"], step or 0.0
+        ),
         "survivor_itl_p99_ratio<=1.05": check(f["survivors"]["itl_ms"]["ratio_p99"], 1.05),
         "event_loop_lag_p99_ms<=2": check(f["loop_lag"]["with_cancels"]["p99_ms"], 2),
         "leaked==0": {"value": f["leaked"], "met": f["leak_free"]},

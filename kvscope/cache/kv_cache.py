@@ -32,9 +32,13 @@ class KVCache:
 
         def allocate() -> torch.Tensor:
             if head_major:
-                storage = torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+                storage = torch.zeros(
+                    (num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device
+                )
                 return storage.permute(1, 2, 0, 3)
-            return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+            return torch.zeros(
+                (num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            )
 
         self.keys = [allocate() for _ in range(num_layers)]
         self.values = [allocate() for _ in range(num_layers)]

@@ -78,7 +78,9 @@ def build_metadata(
     if num_decode:
         context = [starts[i] + 1 for i in range(num_decode)]
         width = max(len(block_tables[i]) for i in range(num_decode))
-        padded = [list(block_tables[i]) + [0] * (width - len(block_tables[i])) for i in range(num_decode)]
+        padded = [
+            list(block_tables[i]) + [0] * (width - len(block_tables[i])) for i in range(num_decode)
+        ]
         decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
         lens = torch.tensor(context, dtype=torch.int32, device=device)
         decode_mask = padding_mask(lens, width * block_size)
@@ -97,7 +99,9 @@ def build_metadata(
             mask = k_pos[None, :] <= q_pos[:, None]
         prefills.append(PrefillSpan(row, row + length, blocks, context_len, mask))
         row += length
-    return AttentionMetadata(slot_mapping, num_decode, decode_tables, decode_mask, lens, tuple(prefills))
+    return AttentionMetadata(
+        slot_mapping, num_decode, decode_tables, decode_mask, lens, tuple(prefills)
+    )
 
 
 def padding_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -130,11 +134,23 @@ def paged_attention(
         decode = decode_backend(query.device.type)
         if decode is reference_decode:
             out[:n] = reference_decode(
-                query[:n], key_cache, value_cache, meta.decode_tables, meta.decode_context_lens,
-                scale, mask=meta.decode_mask,
+                query[:n],
+                key_cache,
+                value_cache,
+                meta.decode_tables,
+                meta.decode_context_lens,
+                scale,
+                mask=meta.decode_mask,
             )
         else:
-            out[:n] = decode(query[:n], key_cache, value_cache, meta.decode_tables, meta.decode_context_lens, scale)
+            out[:n] = decode(
+                query[:n],
+                key_cache,
+                value_cache,
+                meta.decode_tables,
+                meta.decode_context_lens,
+                scale,
+            )
     for span in meta.prefills:
         keys = _gather(key_cache, span.blocks[None])[..., : span.context_len, :]
         values = _gather(value_cache, span.blocks[None])[..., : span.context_len, :]
@@ -212,7 +228,9 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     num_blocks, block_size, heads, dim = cache.shape
     head_major = cache.permute(2, 0, 1, 3)
     if head_major.is_contiguous():
-        head_major.view(heads, num_blocks * block_size, dim).index_copy_(1, slots, values.transpose(0, 1))
+        head_major.view(heads, num_blocks * block_size, dim).index_copy_(
+            1, slots, values.transpose(0, 1)
+        )
     else:
         cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slots, values)
 

@@ -31,7 +31,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+Decode = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 #: Fused ops in order of preference.
 FUSED_OPS = ("npu_fused_infer_attention_score", "npu_incre_flash_attention")
@@ -47,7 +49,9 @@ def import_torch_npu() -> Any | None:
 class NpuDecode:
     """Decode attention on Ascend: a fused torch_npu op, else `fallback`."""
 
-    def __init__(self, fallback: Decode, *, loader: Callable[[], Any | None] = import_torch_npu) -> None:
+    def __init__(
+        self, fallback: Decode, *, loader: Callable[[], Any | None] = import_torch_npu
+    ) -> None:
         self.fallback = fallback
         self._loader = loader
         self._resolved = False
@@ -67,7 +71,9 @@ class NpuDecode:
                 self.op_name, self._op = name, op
                 log.info("NPU decode uses torch_npu.%s", name)
                 return
-        log.warning("torch_npu has none of %s; NPU decode uses the torch reference", ", ".join(FUSED_OPS))
+        log.warning(
+            "torch_npu has none of %s; NPU decode uses the torch reference", ", ".join(FUSED_OPS)
+        )
 
     def __call__(
         self,
@@ -85,7 +91,11 @@ class NpuDecode:
         try:
             return self._fused(query, key_cache, value_cache, block_tables, context_lens, scale)
         except Exception as exc:  # any failure of the device op: fall back for good
-            log.warning("torch_npu.%s failed (%r); NPU decode falls back to the torch reference", self.op_name, exc)
+            log.warning(
+                "torch_npu.%s failed (%r); NPU decode falls back to the torch reference",
+                self.op_name,
+                exc,
+            )
             self.op_name, self._op = None, None
             return self.fallback(query, key_cache, value_cache, block_tables, context_lens, scale)
 

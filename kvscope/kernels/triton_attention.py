@@ -28,15 +28,30 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    out_ptr,
     scale,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_tb,
-    stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP_P: tl.constexpr, DIM_P: tl.constexpr, BLOCK_P: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    DIM_P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -48,7 +63,8 @@ def _paged_decode_kernel(
 
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-        mask=head_ok[:, None] & dim_ok[None, :], other=0.0,
+        mask=head_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     ).to(tl.float32)
     context = tl.load(lens_ptr + seq)
     num_blocks = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
@@ -61,12 +77,22 @@ def _paged_decode_kernel(
         token_ok = (slots < BLOCK_SIZE) & (i * BLOCK_SIZE + slots < context)
         kv_mask = token_ok[:, None] & dim_ok[None, :]
         k = tl.load(
-            k_ptr + block * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=kv_mask, other=0.0,
+            k_ptr
+            + block * stride_kb
+            + slots[:, None] * stride_ks
+            + kv_head * stride_kh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
         ).to(tl.float32)
         v = tl.load(
-            v_ptr + block * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-            mask=kv_mask, other=0.0,
+            v_ptr
+            + block * stride_vb
+            + slots[:, None] * stride_vs
+            + kv_head * stride_vh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
         ).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, BLOCK_P]
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
@@ -108,14 +134,27 @@ def paged_decode(
     out = torch.empty_like(query)
     group = num_heads // num_kv_heads
     _paged_decode_kernel[(batch, num_kv_heads)](
-        query, key_cache, value_cache, block_tables, context_lens, out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        out,
         scale,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
         GROUP_P=triton.next_power_of_2(group),
         DIM_P=triton.next_power_of_2(head_dim),
         BLOCK_P=triton.next_power_of_2(block_size),

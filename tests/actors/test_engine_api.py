@@ -229,7 +229,9 @@ async def test_extreme_sampling_values_fail_nobody(engine: Engine):
 async def test_merged_streams_interleave_samples_as_they_arrive(engine: Engine):
     from kvscope import merge_streams
 
-    jobs = await engine.submit_samples("merge", n=3, max_tokens=6, temperature=0.9, seed=1, ignore_eos=True)
+    jobs = await engine.submit_samples(
+        "merge", n=3, max_tokens=6, temperature=0.9, seed=1, ignore_eos=True
+    )
     order: list[int] = []
     texts = ["", "", ""]
     ends: list[int] = []

@@ -10,8 +10,15 @@ import pytest
 
 from kvscope.cli import main
 
-TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=400, max_position_embeddings=512)
+TINY_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=400,
+    max_position_embeddings=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +26,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     from kvscope.bench.reference_model import build_reference_model
 
-    return build_reference_model(tmp_path_factory.mktemp("ckpt") / "tiny-llama", shape=TINY_SHAPE, text_limit=20)
+    return build_reference_model(
+        tmp_path_factory.mktemp("ckpt") / "tiny-llama", shape=TINY_SHAPE, text_limit=20
+    )
 
 
 def _has_matplotlib() -> bool:
@@ -32,10 +41,34 @@ def _has_matplotlib() -> bool:
 
 def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out, plot = tmp_path / "t.json", tmp_path / "t.png"
-    argv = ["bench", "throughput", "--model", str(tiny_checkpoint), "--dtype", "float32",
-            "--concurrency", "1,2", "--min-requests", "2", "--prompt-tokens", "16", "--max-tokens", "4",
-            "--threads", "1", "--hf-requests", "1", "--peers", "transformers,vllm,kvscope-serve",
-            "--vllm-python", str(tmp_path / "no-vllm" / "python"), "--log-dir", str(tmp_path), "--json", str(out)]
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        str(tiny_checkpoint),
+        "--dtype",
+        "float32",
+        "--concurrency",
+        "1,2",
+        "--min-requests",
+        "2",
+        "--prompt-tokens",
+        "16",
+        "--max-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--hf-requests",
+        "1",
+        "--peers",
+        "transformers,vllm,kvscope-serve",
+        "--vllm-python",
+        str(tmp_path / "no-vllm" / "python"),
+        "--log-dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
     if _has_matplotlib():
         argv += ["--plot", str(plot)]
     assert main(argv) == 0
@@ -62,9 +95,30 @@ def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
 
 def test_cancel_smoke(tmp_path: Path) -> None:
     out, plot = tmp_path / "c.json", tmp_path / "c.png"
-    argv = ["bench", "cancel", "--model", "tiny-random", "--dtype", "float32", "--requests", "8",
-            "--prompt-tokens", "32", "--max-tokens", "24", "--cancel-after", "2,4", "--jitter-ms", "1",
-            "--stats-interval", "0.02", "--log-dir", str(tmp_path), "--json", str(out)]
+    argv = [
+        "bench",
+        "cancel",
+        "--model",
+        "tiny-random",
+        "--dtype",
+        "float32",
+        "--requests",
+        "8",
+        "--prompt-tokens",
+        "32",
+        "--max-tokens",
+        "24",
+        "--cancel-after",
+        "2,4",
+        "--jitter-ms",
+        "1",
+        "--stats-interval",
+        "0.02",
+        "--log-dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
     if _has_matplotlib():
         argv += ["--plot", str(plot)]
     assert main(argv) == 0  # nonzero means something leaked
@@ -75,13 +129,19 @@ def test_cancel_smoke(tmp_path: Path) -> None:
     assert f["delete_status"] == {"200": 3}
     assert f["delete_rtt_ms"]["count"] == 3 and f["cancel_to_release_ms_report"]["count"] == 3
     assert f["cancel_to_release_ms_audit"]["count"] == 4
-    assert f["disconnect_to_cancel_ms"]["count"] == 1 and f["disconnect_cancel_reasons"] == {"disconnect": 1}
+    assert f["disconnect_to_cancel_ms"]["count"] == 1 and f["disconnect_cancel_reasons"] == {
+        "disconnect": 1
+    }
     for key in ("ttft_ms", "itl_ms"):
         for side in ("with_cancels", "without"):
             assert f["survivors"][key][side]["p99"] is not None
         assert f["survivors"][key]["ratio_p99"] is not None
     assert f["loop_lag"]["with_cancels"]["samples"] >= 0
-    assert f["leak_free"] and f["leaked"]["kv_blocks_in_use"] == 0 and f["leaked"]["live_requests"] == 0
+    assert (
+        f["leak_free"]
+        and f["leaked"]["kv_blocks_in_use"] == 0
+        and f["leaked"]["live_requests"] == 0
+    )
     assert f["kv_timeline"]["with_cancels"] and len(f["cancel_times"]) == 4
     assert set(f["targets"]) >= {"delete_rtt_p99_ms<=5", "leaked==0", "event_loop_lag_p99_ms<=2"}
     assert plot.is_file() or not _has_matplotlib()

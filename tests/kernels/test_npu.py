@@ -27,8 +27,13 @@ from kvscope.kernels.npu import NpuDecode
 class FakeTorchNpu(types.ModuleType):
     """A fake `torch_npu` (no Ascend hardware here): fused ops run the torch reference."""
 
-    def __init__(self, *, ops: tuple[str, ...] = ("npu_fused_infer_attention_score",), scale_key: str = "scale",
-                 fail: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        ops: tuple[str, ...] = ("npu_fused_infer_attention_score",),
+        scale_key: str = "scale",
+        fail: bool = False,
+    ) -> None:
         super().__init__("torch_npu")
         self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -47,7 +52,11 @@ class FakeTorchNpu(types.ModuleType):
             heads, kv_heads = kwargs["num_heads"], kwargs["num_key_value_heads"]
             batch, blocks, block_size = query.shape[0], key.shape[0], kwargs["block_size"]
             dim = query.shape[-1] // heads
-            lens = kwargs["actual_seq_lengths_kv" if name == "npu_fused_infer_attention_score" else "actual_seq_lengths"]
+            lens = kwargs[
+                "actual_seq_lengths_kv"
+                if name == "npu_fused_infer_attention_score"
+                else "actual_seq_lengths"
+            ]
             out = reference_decode(
                 query.view(batch, heads, dim),
                 key.view(blocks, block_size, kv_heads, dim),

@@ -44,7 +44,9 @@ def interpreted() -> Iterator[ModuleType]:
     except ImportError:  # triton < 3.4 has no knobs
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if not interpret:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (or a GPU is present)")
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 could be set (or a GPU is present)"
+        )
     sys.modules.pop(MODULE, None)
     try:
         yield importlib.import_module(MODULE)
@@ -52,8 +54,16 @@ def interpreted() -> Iterator[ModuleType]:
         sys.modules.pop(MODULE, None)
 
 
-def random_case(heads: int, kv_heads: int, dim: int, block_size: int, *, device: str = "cpu",
-                dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def random_case(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     num_blocks, batch = 40, 5
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 2, 7 * block_size])
@@ -70,7 +80,9 @@ def random_case(heads: int, kv_heads: int, dim: int, block_size: int, *, device:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
-def test_interpreted_kernel_matches_reference(interpreted: ModuleType, shape: tuple[int, ...]) -> None:
+def test_interpreted_kernel_matches_reference(
+    interpreted: ModuleType, shape: tuple[int, ...]
+) -> None:
     query, keys, values, tables, lens = random_case(*shape)
     scale = shape[2] ** -0.5
     out = interpreted.paged_decode(query, keys, values, tables, lens, scale)
@@ -87,7 +99,9 @@ def test_interpreted_kernel_in_bfloat16(interpreted: ModuleType) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-def test_interpreted_kernel_reads_a_cache_written_by_paged_attention(interpreted: ModuleType) -> None:
+def test_interpreted_kernel_reads_a_cache_written_by_paged_attention(
+    interpreted: ModuleType,
+) -> None:
     """Through `build_metadata` and the cache layout the model uses: two decode rows."""
     heads, kv_heads, dim, block_size = 4, 2, 16, 4
     gen = torch.Generator().manual_seed(1)
@@ -96,17 +110,41 @@ def test_interpreted_kernel_reads_a_cache_written_by_paged_attention(interpreted
     starts, tables = [6, 9], [[3, 7], [5, 1, 12]]
     # Fill the cache with the earlier tokens of both sequences, as prefill would have.
     for start, table in zip(starts, tables, strict=True):
-        meta = build_metadata(starts=[0], lengths=[start], block_tables=[table], block_size=block_size, device=torch.device("cpu"))
-        paged_attention(
-            torch.randn(start, heads, dim, generator=gen), torch.randn(start, kv_heads, dim, generator=gen),
-            torch.randn(start, kv_heads, dim, generator=gen), key_cache, value_cache, meta, 0.25,
+        meta = build_metadata(
+            starts=[0],
+            lengths=[start],
+            block_tables=[table],
+            block_size=block_size,
+            device=torch.device("cpu"),
         )
-    meta = build_metadata(starts=starts, lengths=[1, 1], block_tables=tables, block_size=block_size, device=torch.device("cpu"))
+        paged_attention(
+            torch.randn(start, heads, dim, generator=gen),
+            torch.randn(start, kv_heads, dim, generator=gen),
+            torch.randn(start, kv_heads, dim, generator=gen),
+            key_cache,
+            value_cache,
+            meta,
+            0.25,
+        )
+    meta = build_metadata(
+        starts=starts,
+        lengths=[1, 1],
+        block_tables=tables,
+        block_size=block_size,
+        device=torch.device("cpu"),
+    )
     query = torch.randn(2, heads, dim, generator=gen)
-    key, value = torch.randn(2, kv_heads, dim, generator=gen), torch.randn(2, kv_heads, dim, generator=gen)
-    expected = paged_attention(query, key, value, key_cache, value_cache, meta, 0.25).view(2, heads, dim)
+    key, value = (
+        torch.randn(2, kv_heads, dim, generator=gen),
+        torch.randn(2, kv_heads, dim, generator=gen),
+    )
+    expected = paged_attention(query, key, value, key_cache, value_cache, meta, 0.25).view(
+        2, heads, dim
+    )
     assert meta.decode_tables is not None and meta.decode_context_lens is not None
-    out = interpreted.paged_decode(query, key_cache, value_cache, meta.decode_tables, meta.decode_context_lens, 0.25)
+    out = interpreted.paged_decode(
+        query, key_cache, value_cache, meta.decode_tables, meta.decode_context_lens, 0.25
+    )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -132,7 +170,9 @@ def test_reference_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
-def test_compiled_kernel_matches_reference_on_cuda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_compiled_kernel_matches_reference_on_cuda(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
     sys.modules.pop(MODULE, None)
     from kvscope.kernels.triton_attention import paged_decode
 
@@ -153,7 +193,11 @@ async def test_engine_on_cuda_gives_the_cpu_tokens() -> None:
 
     tokens = {}
     for device in ("cpu", "cuda"):
-        async with Engine.open("tiny-random", device=device, dtype="float32", num_kv_blocks=64) as engine:
-            out = await engine.generate("Once upon a time", temperature=0, max_tokens=32, ignore_eos=True)
+        async with Engine.open(
+            "tiny-random", device=device, dtype="float32", num_kv_blocks=64
+        ) as engine:
+            out = await engine.generate(
+                "Once upon a time", temperature=0, max_tokens=32, ignore_eos=True
+            )
             tokens[device] = out.token_ids
     assert tokens["cuda"] == tokens["cpu"]

@@ -75,7 +75,10 @@ def _configs() -> dict[str, tuple[str, dict[str, Any]]]:
                 },
             ),
         ),
-        "mistral": ("MistralForCausalLM", dict(BASE, tie_word_embeddings=False, sliding_window=None)),
+        "mistral": (
+            "MistralForCausalLM",
+            dict(BASE, tie_word_embeddings=False, sliding_window=None),
+        ),
         "qwen2": ("Qwen2ForCausalLM", dict(BASE, tie_word_embeddings=True)),
         "qwen3": ("Qwen3ForCausalLM", dict(BASE, tie_word_embeddings=False)),
     }
@@ -110,7 +113,9 @@ def train_tokenizer(directory: Path, vocab_size: int = 384) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def build_checkpoint(kind: str, directory: Path, *, seed: int | None = None, **save_kwargs: Any) -> Path:
+def build_checkpoint(
+    kind: str, directory: Path, *, seed: int | None = None, **save_kwargs: Any
+) -> Path:
     """Save a seeded random `kind` model and the test tokenizer into `directory`."""
     class_name, kwargs = _configs()[kind]
     train_tokenizer(directory)

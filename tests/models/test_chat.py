@@ -105,7 +105,9 @@ def ours(template: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     return render_chat(template, messages, **{**tokens, **kwargs})
 
 
-@pytest.mark.parametrize("template", [LLAMA3, QWEN2, KITCHEN_SINK], ids=["llama3", "qwen2", "kitchen-sink"])
+@pytest.mark.parametrize(
+    "template", [LLAMA3, QWEN2, KITCHEN_SINK], ids=["llama3", "qwen2", "kitchen-sink"]
+)
 @pytest.mark.parametrize("messages", CHATS, ids=["one", "system", "long"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_render_matches_transformers(
@@ -147,7 +149,9 @@ def test_empty_chat_is_refused() -> None:
 
 
 @pytest.mark.parametrize("where", ["tokenizer_config", "jinja_file"])
-def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoints: Any, tmp_path: Path, where: str) -> None:
+def test_checkpoint_template_renders_and_encodes_as_transformers(
+    checkpoints: Any, tmp_path: Path, where: str
+) -> None:
     from transformers import AutoTokenizer
 
     directory = tmp_path / "chat"
@@ -162,5 +166,7 @@ def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoints: An
     for messages in CHATS:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert loaded.render_chat(messages) == text
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
         assert loaded.encode_chat(messages) == list(ids)

@@ -57,7 +57,9 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint("qwen2", tmp_path_factory.mktemp("sharded"), max_shard_size="40KB")
 
 
-def test_sharded_checkpoint_loads_with_progress(sharded: Path, checkpoints: Any, capfd: pytest.CaptureFixture[str]) -> None:
+def test_sharded_checkpoint_loads_with_progress(
+    sharded: Path, checkpoints: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     assert not (sharded / "model.safetensors").exists()
@@ -67,7 +69,9 @@ def test_sharded_checkpoint_loads_with_progress(sharded: Path, checkpoints: Any,
     assert torch.equal(logits_of(loaded, ids), logits_of(load(checkpoints("qwen2")), ids))
 
 
-def test_single_small_file_shows_no_progress(checkpoints: Any, capfd: pytest.CaptureFixture[str]) -> None:
+def test_single_small_file_shows_no_progress(
+    checkpoints: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
     load(checkpoints("llama"))
     assert "loading" not in capfd.readouterr().err
 
@@ -87,7 +91,11 @@ def test_tokenizer_matches_transformers(checkpoints: Any) -> None:
     directory = checkpoints("llama")
     ours = load(directory).tokenizer
     theirs = AutoTokenizer.from_pretrained(str(directory))
-    for text in ["Once upon a time", "  two spaces, émigré ünïcode 🙂", "<s> inline special </s> end"]:
+    for text in [
+        "Once upon a time",
+        "  two spaces, émigré ünïcode 🙂",
+        "<s> inline special </s> end",
+    ]:
         ids = theirs.encode(text)
         assert ours.encode(text) == ids
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
@@ -98,18 +106,34 @@ def test_tokenizer_matches_transformers(checkpoints: Any) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "unsupported architecture.*GPT2LMHeadModel"),
+        (
+            lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
+            "unsupported architecture.*GPT2LMHeadModel",
+        ),
         (lambda c: c.pop("hidden_size"), "lacks 'hidden_size'"),
         (lambda c: c.update(num_hidden_layers="two"), "malformed value"),
         (lambda c: c.update(num_key_value_heads=3), "not a multiple of num_key_value_heads"),
-        (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "'yarn' is not supported"),
+        (
+            lambda c: c.update(
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+            ),
+            "'yarn' is not supported",
+        ),
         (lambda c: c.update(mlp_bias=True), "mlp_bias"),
-        (lambda c: c.update(intermediate_size=96), r"mlp.gate_proj.weight' has shape \(128, 64\), but config.json implies \(96, 64\)"),
-        (lambda c: c.update(vocab_size=100), "tokenizer has 384 tokens, more than the model's vocab_size of 100"),
+        (
+            lambda c: c.update(intermediate_size=96),
+            r"mlp.gate_proj.weight' has shape \(128, 64\), but config.json implies \(96, 64\)",
+        ),
+        (
+            lambda c: c.update(vocab_size=100),
+            "tokenizer has 384 tokens, more than the model's vocab_size of 100",
+        ),
     ],
     ids=["architecture", "missing-key", "bad-value", "heads", "rope", "mlp-bias", "shape", "vocab"],
 )
-def test_bad_config_is_named(broken: Path, change: Callable[[dict[str, Any]], None], message: str) -> None:
+def test_bad_config_is_named(
+    broken: Path, change: Callable[[dict[str, Any]], None], message: str
+) -> None:
     edit_json(broken / "config.json", change)
     with pytest.raises(ModelLoadError, match=message):
         load(broken)
@@ -127,15 +151,38 @@ def test_architecture_from_model_type_when_architectures_is_absent(broken: Path)
         (lambda d: (d / "config.json").write_text("{not json"), "config.json is not valid JSON"),
         (lambda d: (d / "config.json").write_text("[1, 2]"), "holds a JSON list"),
         (lambda d: (d / "model.safetensors").unlink(), "has no model.safetensors"),
-        (lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"), "pickle weights only"),
-        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]), "cannot read .*model.safetensors"),
+        (
+            lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"),
+            "pickle weights only",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes(
+                (d / "model.safetensors").read_bytes()[:5000]
+            ),
+            "cannot read .*model.safetensors",
+        ),
         (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer.json"),
         (lambda d: (d / "tokenizer.json").write_text('{"model": 3}'), "cannot read the tokenizer"),
-        (lambda d: (d / "chat_template.jinja").write_text("{% if %}"), "chat template does not compile"),
+        (
+            lambda d: (d / "chat_template.jinja").write_text("{% if %}"),
+            "chat template does not compile",
+        ),
     ],
-    ids=["no-config", "bad-json", "json-list", "no-weights", "pickle", "truncated", "no-tokenizer", "bad-tokenizer", "bad-template"],
+    ids=[
+        "no-config",
+        "bad-json",
+        "json-list",
+        "no-weights",
+        "pickle",
+        "truncated",
+        "no-tokenizer",
+        "bad-tokenizer",
+        "bad-template",
+    ],
 )
-def test_broken_files_are_named(broken: Path, breakage: Callable[[Path], Any], message: str) -> None:
+def test_broken_files_are_named(
+    broken: Path, breakage: Callable[[Path], Any], message: str
+) -> None:
     breakage(broken)
     with pytest.raises(ModelLoadError, match=message):
         load(broken)
@@ -143,13 +190,18 @@ def test_broken_files_are_named(broken: Path, breakage: Callable[[Path], Any], m
 
 def test_missing_tensor_is_named(broken: Path) -> None:
     edit_weights(broken, lambda w: w.pop("model.layers.1.self_attn.k_proj.weight"))
-    with pytest.raises(ModelLoadError, match=r"missing 1 tensor\(s\): model.layers.1.self_attn.k_proj.weight"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing 1 tensor\(s\): model.layers.1.self_attn.k_proj.weight"
+    ):
         load(broken)
 
 
 def test_misshapen_tensor_is_named(broken: Path) -> None:
     edit_weights(broken, lambda w: w.update({"model.norm.weight": torch.ones(65)}))
-    with pytest.raises(ModelLoadError, match=r"'model.norm.weight' has shape \(65,\), but config.json implies \(64,\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"'model.norm.weight' has shape \(65,\), but config.json implies \(64,\)",
+    ):
         load(broken)
 
 
@@ -159,8 +211,12 @@ def test_untied_checkpoint_without_lm_head_is_refused(broken: Path) -> None:
         load(broken)
 
 
-def test_extra_tensors_are_ignored_with_a_warning(broken: Path, caplog: pytest.LogCaptureFixture) -> None:
-    edit_weights(broken, lambda w: w.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+def test_extra_tensors_are_ignored_with_a_warning(
+    broken: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    edit_weights(
+        broken, lambda w: w.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    )
     with caplog.at_level(logging.WARNING, logger="kvscope.models.loader"):
         load(broken)
     assert "rotary_emb.inv_freq" in caplog.text
@@ -172,12 +228,19 @@ def test_unknown_model_name() -> None:
 
 
 def test_sliding_window_caps_the_context(broken: Path) -> None:
-    edit_json(broken / "config.json", lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128))
+    edit_json(
+        broken / "config.json",
+        lambda c: c.update(
+            architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128
+        ),
+    )
     assert load(broken).config.max_position_embeddings == 128
 
 
 def test_generation_config_supplies_eos_and_defaults(broken: Path) -> None:
-    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4], "temperature": 0.7, "top_p": 0.9}))
+    (broken / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [1, 4], "temperature": 0.7, "top_p": 0.9})
+    )
     loaded = load(broken)
     assert loaded.config.eos_token_ids == (1, 4)
     assert loaded.tokenizer.eos_token_ids == (1, 4)

@@ -64,11 +64,18 @@ class Cache:
         self.model = loaded.model
         self.block_size = block_size
         self.kv = KVCache(
-            num_layers=c.num_layers, num_blocks=num_blocks, block_size=block_size,
-            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=loaded.model.dtype, device=CPU,
+            num_layers=c.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=loaded.model.dtype,
+            device=CPU,
         )
         # Hand out blocks in a scrambled order so that a table is not just 0, 1, 2, ...
-        self._free = [b for b in range(num_blocks - 1, 0, -1) if b % 3] + [b for b in range(num_blocks) if not b % 3]
+        self._free = [b for b in range(num_blocks - 1, 0, -1) if b % 3] + [
+            b for b in range(num_blocks) if not b % 3
+        ]
         self.tables: dict[int, list[int]] = {}
 
     def step(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
@@ -118,14 +125,18 @@ def test_chunked_and_batched_logits_match_transformers(checkpoints: Any, kind: s
     assert_close(torch.cat(ours), hf_logits(hf, a))
 
 
-async def generate_all(open_engine: Any, checkpoint: Any, ids_list: list[list[int]], **config: Any) -> list[list[int]]:
+async def generate_all(
+    open_engine: Any, checkpoint: Any, ids_list: list[list[int]], **config: Any
+) -> list[list[int]]:
     results: list[list[int]] = [[] for _ in ids_list]
     async with open_engine(str(checkpoint), dtype="float32", **config) as engine:
         async with anyio.create_task_group() as tg:
             for i, ids in enumerate(ids_list):
 
                 async def one(i: int = i, ids: list[int] = ids) -> None:
-                    out = await engine.generate(ids, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+                    out = await engine.generate(
+                        ids, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True
+                    )
                     results[i] = list(out.token_ids)
 
                 tg.start_soon(one)
@@ -141,7 +152,9 @@ async def test_greedy_alone_matches_generate(checkpoints: Any, kind: str, open_e
 
 
 @pytest.mark.anyio
-async def test_greedy_batched_with_cancellations_matches_generate(checkpoints: Any, kind: str, open_engine: Any) -> None:
+async def test_greedy_batched_with_cancellations_matches_generate(
+    checkpoints: Any, kind: str, open_engine: Any
+) -> None:
     """All prompts at once, beside four requests cancelled part-way; the survivors'
     tokens are exactly what `generate` gives each prompt alone."""
     directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
@@ -151,7 +164,9 @@ async def test_greedy_batched_with_cancellations_matches_generate(checkpoints: A
     async with open_engine(str(directory), dtype="float32", block_size=4) as engine:
         engine.step_listeners.append(lambda _start, _secs, size: batch_sizes.append(size))
         victims = [
-            await engine.submit(ids[: 3 + i] + [7] * i, temperature=0, max_tokens=200, ignore_eos=True)
+            await engine.submit(
+                ids[: 3 + i] + [7] * i, temperature=0, max_tokens=200, ignore_eos=True
+            )
             for i, ids in enumerate(ids_list)
         ]
         jobs = [
@@ -175,18 +190,24 @@ async def test_greedy_batched_with_cancellations_matches_generate(checkpoints: A
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_chunked_prefill_gives_the_same_tokens(checkpoints: Any, kind: str, open_engine: Any) -> None:
+async def test_chunked_prefill_gives_the_same_tokens(
+    checkpoints: Any, kind: str, open_engine: Any
+) -> None:
     directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
     ids_list = prompts(directory)
     assert max(len(ids) for ids in ids_list) > 12
-    chunked = await generate_all(open_engine, directory, ids_list, block_size=4, max_num_batched_tokens=6)
+    chunked = await generate_all(
+        open_engine, directory, ids_list, block_size=4, max_num_batched_tokens=6
+    )
     one_shot = await generate_all(open_engine, directory, ids_list, max_num_batched_tokens=512)
     assert chunked == one_shot == [hf_greedy(hf, ids) for ids in ids_list]
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_prefix_cache_hit_gives_the_same_tokens(checkpoints: Any, kind: str, open_engine: Any) -> None:
+async def test_prefix_cache_hit_gives_the_same_tokens(
+    checkpoints: Any, kind: str, open_engine: Any
+) -> None:
     directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
     a, b, _, d = prompts(directory)
     shared = d + a  # a long common prefix, then different endings
@@ -202,8 +223,12 @@ async def test_prefix_cache_hit_gives_the_same_tokens(checkpoints: Any, kind: st
 
         engine.pool.lookup = spy  # type: ignore[method-assign]
         cold = await engine.generate(first, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        warm_same = await engine.generate(first, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        warm_other = await engine.generate(second, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        warm_same = await engine.generate(
+            first, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True
+        )
+        warm_other = await engine.generate(
+            second, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True
+        )
     assert hits[0] == 0 and hits[1] >= len(first) // 4 - 1 and hits[2] >= len(shared) // 4
     assert list(cold.token_ids) == list(warm_same.token_ids) == hf_greedy(hf, first)
     assert list(warm_other.token_ids) == hf_greedy(hf, second)
