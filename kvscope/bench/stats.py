@@ -58,9 +58,10 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     widths = [
         max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
     ]
-    line = lambda row: (
-        "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
-    )  # noqa: E731
+
+    def line(row: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
     out = [line(list(headers)), "| " + " | ".join("-" * w for w in widths) + " |"]
     out.extend(line(r) for r in cells)
     return "\n".join(out)
