@@ -216,7 +216,7 @@ class Engine:
         finally:
             self._cancel_tree(state, "scope", None)
             # Leaving the block means the request is over and its blocks are free (a
-            # step in flight is aborted when nobody else is in it, so this is short).
+            # step in flight drops it at its next checkpoint, so this is short).
             with anyio.CancelScope(shield=True):
                 await state.task_done.wait()
                 await state.released.wait()
