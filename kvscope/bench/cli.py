@@ -1,12 +1,41 @@
 """`kvscope bench`: the subcommands `throughput` and `cancel` (DESIGN section 6).
 
 Each prints markdown tables, and writes `--json PATH` and `--plot PATH` when asked.
-The heavy modules are imported only when their subcommand runs.
+The benchmarks need the `bench` extra; without it `main` says what to install and
+exits 2 before importing anything heavy. The heavy modules are imported only when
+their subcommand runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
+
+#: Modules the benchmarks import that only the `bench` extra installs.
+BENCH_MODULES = ("httpx", "transformers")
+INSTALL_HINT = "pip install 'kvscope[bench]'"
+
+
+def missing_modules() -> list[str]:
+    return [name for name in BENCH_MODULES if importlib.util.find_spec(name) is None]
+
+
+def main(argv: list[str]) -> int:
+    missing = missing_modules()
+    if missing:
+        print(
+            f"kvscope bench needs the bench extra ({', '.join(missing)} missing): {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 2
+    parser = argparse.ArgumentParser(prog="kvscope bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
