@@ -14,7 +14,7 @@ import sys
 
 import anyio
 
-from kvscope.cli import add_engine_arguments, engine_kwargs
+from kvscope.options import add_engine_arguments, engine_kwargs
 
 from .server import Server
 from .settings import ServerSettings
@@ -33,9 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a bearer key (repeatable; also KVSCOPE_API_KEY)",
     )
     group.add_argument(
-        "--audit-log", default=None, metavar="PATH", help="append one JSON line per ended request"
-    )
-    group.add_argument(
         "--drain-timeout",
         type=float,
         default=0.0,
@@ -43,9 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
-    )
-    group.add_argument(
-        "--debug", action="store_true", help="check the block pool whenever the engine idles"
     )
     add_engine_arguments(parser)
 
@@ -70,7 +64,6 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    kwargs["debug"] = args.debug
     server = Server(settings, kwargs, handle_signals=True)
 
     async def main() -> None:
