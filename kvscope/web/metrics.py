@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvscope import Engine
@@ -49,7 +49,7 @@ class _EngineGauges(Collector):
         self._engine = engine
         self._metrics = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._engine.stats()
         blocks = GaugeMetricFamily(
             "kvscope_kv_blocks", "KV cache blocks by state", labels=["state"]
@@ -78,6 +78,11 @@ class _EngineGauges(Collector):
             "kvscope_open_streams",
             "Open SSE and WebSocket streams",
             value=self._metrics.open_streams,
+        )
+        yield CounterMetricFamily(
+            "kvscope_worker_restarts",
+            "Model worker processes started to replace one that exited",
+            value=stats["worker_restarts"],
         )
 
 
