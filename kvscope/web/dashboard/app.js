@@ -4,11 +4,13 @@
 // request's memory is seen dropping.
 //
 // Tokens/s: each request's rate is measured over the last RATE_WINDOW_S seconds of its
-// own samples, and the tile is the sum of those rates, so the two always agree. (It
-// used to be the change of a counter over one 500 ms poll, taken from two endpoints at
-// different moments and timed by when the answers arrived: under load a poll is about
-// one decode step, so the tile swung between ~0 and several times the real rate, while
-// the rows showed lifetime averages.)
+// own samples, and the tile is the sum of those rates, so the two agree. (The rows used
+// to be lifetime averages, tokens / age, which keep a request's fast start long after
+// it slowed (longer contexts, a busy machine): they summed to 343 while the requests
+// made 82 tokens/s.
+// The tile was a counter's change over one 500 ms poll, from two endpoints read at
+// different moments and timed on arrival: it jumped between ~0 and several times the
+// real rate. Polls also overlapped, so answers could be read out of order.)
 "use strict";
 
 const POLL_MS = 500;
