@@ -224,12 +224,15 @@ def test_dashboard(live: Live, tmp_path: Path) -> None:
             # Cancelled elsewhere (DELETE): a marker, and the rows go.
             for request_id in ids[:-1]:
                 assert client.delete(f"/requests/{request_id}").status_code == 200
-            wait_for(lambda: chart(page)["markers"], what="a cancel marker")
+            wait_for(
+                lambda: sum(m["count"] for m in chart(page)["markers"]) == len(ids) - 1,
+                what="a cancel marker for each",
+            )
             wait_for(lambda: list(rows(page)["rates"]) == ids[-1:], what="the rows to go")
-            assert sum(m["count"] for m in chart(page)["markers"]) == len(ids) - 1
             page.screenshot(tmp_path / "dashboard-cancelled.png")
 
-            # Cancelled by the page's button: another marker, where the blocks drop to 0.
+            # Cancelled by the page's button: another marker, where the blocks drop to 0
+            # (or at the next poll, when the running step held them a moment longer).
             markers = len(chart(page)["markers"])
             selector = json.dumps(f'button[data-cancel="{ids[-1]}"]')
             page.evaluate(f"document.querySelector({selector}).click()")
@@ -237,8 +240,8 @@ def test_dashboard(live: Live, tmp_path: Path) -> None:
             assert info["status"] == "cancelled" and info["cancel_reason"] == "user"
             wait_for(lambda: len(chart(page)["markers"]) > markers, what="the button's marker")
             last = chart(page)["markers"][-1]
-            assert last == {"count": 1, "before": last["before"], "after": 0}, last
-            assert last["before"] > 0
+            assert last["count"] == 1 and last["before"] > 0 and last["after"] <= last["before"]
+            wait_for(lambda: page.text("kv-in-use") == "0 / 1024", what="no block in use")
             wait_for(lambda: not rows(page)["rates"], what="the last row to go")
             page.screenshot(tmp_path / "dashboard.png")
             assert page.evaluate("window.__dashboardErrors") == []
