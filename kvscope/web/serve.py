@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"kvscope serving {args.model} on {server.url} "
                 f"(device {device}, backend {settings.backend})",
-                *first_steps(_local_url(server.url), with_key=bool(settings.api_keys)),
+                *first_steps(server.url, with_key=bool(settings.api_keys)),
                 sep="\n",
                 flush=True,
             )
@@ -106,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def first_steps(url: str, *, with_key: bool) -> list[str]:
-    """The lines after the listening line: the dashboard, and a completion to stream."""
+    """The lines after the listening line: the dashboard, and a completion to stream,
+    both at an address this machine's browser and curl can open."""
+    url = _local_url(url)
     body = json.dumps({"prompt": EXAMPLE_PROMPT, "max_tokens": 64, "stream": True})
     curl = f"curl -N {url}/v1/completions -H 'Content-Type: application/json'"
     if with_key:  # the key itself is not printed: the shell fills it in

@@ -33,6 +33,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
+from kvscope.web.serve import first_steps
+
 from .conftest import Live, wait_clean, wait_for, wait_status, wait_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -298,3 +300,10 @@ def test_serve_prints_next_steps(api_key: str | None, tmp_path: Path) -> None:
             process.kill()
             process.wait()
     assert process.returncode == 0
+
+
+def test_next_steps_open_a_wildcard_host_on_loopback() -> None:
+    for listening, local in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]"), ("10.1.2.3", "10.1.2.3")):
+        dashboard, curl = first_steps(f"http://{listening}:8000", with_key=False)
+        assert dashboard == f"  dashboard: http://{local}:8000/"
+        assert f"curl -N http://{local}:8000/v1/completions " in curl
