@@ -111,15 +111,15 @@ function renderStats(stats, tps, t) {
   $("queue").textContent = `${stats.running} / ${stats.waiting}`;
   $("counts").textContent = `${stats.finished} finished, ${stats.cancelled} cancelled, ${stats.failed} failed`;
   $("tps").textContent = tps.toFixed(1);
-  // A cancel is marked at the first sample that counts it: the same /stats snapshot
-  // already shows its blocks back in the pool.
+  // A cancel is marked at the first sample that counts it; that /stats snapshot shows
+  // its blocks back in the pool (or the next one, if the running step held them).
   if (lastCancelled !== null && stats.cancelled > lastCancelled && history.length) {
     const before = history[history.length - 1].inUse;
     cancels.push({ t, count: stats.cancelled - lastCancelled, before, after: stats.kv_blocks_in_use });
   }
   lastCancelled = stats.cancelled;
   history.push({ t, inUse: stats.kv_blocks_in_use, cached: stats.kv_blocks_cached, total, tps });
-  while (history.length && t - history[0].t > CHART_SECONDS + 5) history.shift();
+  while (history.length > 1 && t - history[1].t > CHART_SECONDS) history.shift();
   while (cancels.length && t - cancels[0].t > CHART_SECONDS) cancels.shift();
   drawChart(t);
 }
@@ -181,18 +181,17 @@ function drawChart(now) {
 
   // KV blocks are drawn as steps: a sample's value holds until the next poll, so a
   // drop shows at the sample that saw it, where its cancel marker is.
-  const visible = history.filter((s) => now - s.t <= CHART_SECONDS + 5);
-  const steps = (value, y) => visible.map((s, i) => {
+  const steps = (value, y) => history.map((s, i) => {
     const point = `${x(s.t).toFixed(1)},${y(value(s)).toFixed(1)}`;
     return i === 0 ? `M${point}` : `H${x(s.t).toFixed(1)}V${y(value(s)).toFixed(1)}`;
   }).join("");
-  if (visible.length) {
-    const last = x(visible[visible.length - 1].t).toFixed(1);
+  if (history.length) {
+    const last = x(history[history.length - 1].t).toFixed(1);
     const inUse = steps((s) => s.inUse, yBlocks);
-    el(svg, "path", { d: `${inUse}V${top + plotH}H${x(visible[0].t).toFixed(1)}Z`, class: "area in-use" });
+    el(svg, "path", { d: `${inUse}V${top + plotH}H${x(history[0].t).toFixed(1)}Z`, class: "area in-use" });
     el(svg, "path", { d: steps((s) => s.cached, yBlocks), class: "series cached" });
     el(svg, "path", { d: inUse, class: "series in-use" });
-    const tps = visible.map((s, i) => `${i ? "L" : "M"}${x(s.t).toFixed(1)},${yTps(s.tps).toFixed(1)}`);
+    const tps = history.map((s, i) => `${i ? "L" : "M"}${x(s.t).toFixed(1)},${yTps(s.tps).toFixed(1)}`);
     el(svg, "path", { d: tps.join(""), class: "series tps" });
     el(svg, "line", { x1: last, x2: last, y1: top, y2: top + plotH, class: "now" });
   }
