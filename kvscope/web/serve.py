@@ -1,15 +1,18 @@
 """`kvscope serve`: parse the server's arguments and run `Server` until it is stopped.
 
 With no flags it serves the bundled model on 127.0.0.1:8000 on asyncio. Keys come
-from `--api-key` (repeatable) and `KVSCOPE_API_KEY` (comma-separated). It prints where
-it listens and what it runs, and exits 0 after a graceful SIGINT/SIGTERM shutdown.
+from `--api-key` (repeatable) and `KVSCOPE_API_KEY` (comma-separated). Once it listens
+it prints where and what it runs, the dashboard's URL and a `curl` line that streams a
+completion (a newcomer's next step); it exits 0 after a graceful SIGINT/SIGTERM shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shlex
 import sys
 
 import anyio
@@ -20,6 +23,9 @@ from .server import Server
 from .settings import ServerSettings
 
 log = logging.getLogger("kvscope.web")
+
+#: The prompt of the printed `curl` line: code, which the bundled model does best.
+EXAMPLE_PROMPT = "def fibonacci(n):"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,9 +75,12 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(server.run)
+            device = server.engine.device if server.engine else "?"
             print(
                 f"kvscope serving {args.model} on {server.url} "
-                f"(device {server.engine.device if server.engine else '?'}, backend {settings.backend})",
+                f"(device {device}, backend {settings.backend})",
+                *first_steps(server.url, with_key=bool(settings.api_keys)),
+                sep="\n",
                 flush=True,
             )
 
@@ -87,6 +96,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def first_steps(url: str, *, with_key: bool) -> list[str]:
+    """The lines after the listening line: the dashboard, and a completion to stream,
+    both at an address this machine's browser and curl can open."""
+    url = _local_url(url)
+    body = json.dumps({"prompt": EXAMPLE_PROMPT, "max_tokens": 64, "stream": True})
+    curl = f"curl -N {url}/v1/completions -H 'Content-Type: application/json'"
+    if with_key:  # the key itself is not printed: the shell fills it in
+        curl += ' -H "Authorization: Bearer $KVSCOPE_API_KEY"'
+    return [f"  dashboard: {url}/", f"  try:       {curl} -d {shlex.quote(body)}"]
+
+
+def _local_url(url: str) -> str:
+    """`url` with a wildcard host (every interface) replaced by loopback, which a
+    browser and curl on this machine can open."""
+    for wildcard, loopback in (("//0.0.0.0:", "//127.0.0.1:"), ("//[::]:", "//[::1]:")):
+        url = url.replace(wildcard, loopback)
+    return url
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:
