@@ -17,6 +17,10 @@ import attrs
 
 from kvscope.config import EngineConfig
 
+#: `EngineConfig` limits that `kvscope serve` and `generate` take as flags of the same
+#: name (defaults from `EngineConfig`, the one place they are set).
+LIMIT_SETTINGS = ("max_request_depth", "max_family_size")
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and engine")
@@ -43,6 +47,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="engine seed (random weights, unseeded sampling)"
     )
     group.add_argument("--log-level", default="INFO")
+    limits = parser.add_argument_group("limits on what a client controls (docs/security.md)")
+    defaults = EngineConfig()
+    for name in LIMIT_SETTINGS:
+        limits.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=getattr(defaults, name)
+        )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,6 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         audit_log=getattr(args, "audit_log", None),
+        **{name: getattr(args, name) for name in LIMIT_SETTINGS},
     )
     return {"model": args.model, "device": args.device, "dtype": args.dtype, **attrs.asdict(config)}
 

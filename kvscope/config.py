@@ -39,6 +39,12 @@ class EngineConfig:
     max_queued_requests: int = attrs.field(default=4096, validator=_positive)
     #: Finished requests kept for look-up by id.
     finished_history: int = attrs.field(default=10_000, validator=_positive)
+    #: Longest parent chain: a request may have at most this many ancestors. Each level
+    #: nests one more cancel scope, and cancellation is delivered through the nesting.
+    max_request_depth: int = attrs.field(default=32, validator=v.ge(0))
+    #: Most live requests in one family (a root request and all its descendants, the
+    #: `n` samples of one call included).
+    max_family_size: int = attrs.field(default=256, validator=_positive)
     #: Path of the JSON-lines audit log; None keeps records in memory only.
     audit_log: str | None = None
     #: Check the block pool's integrity whenever the step actor idles.

@@ -395,6 +395,7 @@ class Engine:
             if parent_state.children_group is None or parent_state.cancel_requested():
                 raise RequestConflict(f"parent request {parent!r} has ended")
             group = parent_state.children_group
+        self._check_family(parent_state, samples)
         state = self._new_state(
             request_id or new_request_id(),
             prompt_ids,
@@ -421,8 +422,31 @@ class Engine:
             try:
                 await group.start(run_request, state, self)
             except RuntimeError as exc:  # the parent's group closed meanwhile
+                state.root.family_size -= samples  # counted in _new_state; no task ran
                 raise RequestConflict(f"parent request {parent!r} has ended") from exc
         return state
+
+    def _check_family(self, parent: RequestState | None, samples: int) -> None:
+        """Refuse a request that would make its parent chain or its family too big:
+        every level of the chain nests one more cancel scope, and cancelling a family
+        reaches each member. Synchronous, and counted in `_new_state` before any await."""
+        config = self.config
+        depth = parent.depth + 1 if parent is not None else 0
+        if depth > config.max_request_depth:
+            raise InvalidRequest(
+                f"the parent chain is too deep: this request would have {depth} ancestors; "
+                f"the limit (max_request_depth) is {config.max_request_depth}"
+            )
+        if samples > config.max_family_size:
+            raise InvalidRequest(
+                f"{samples} samples exceed the limit on one family's size "
+                f"(max_family_size) of {config.max_family_size}"
+            )
+        if parent is not None and parent.root.family_size + samples > config.max_family_size:
+            raise EngineOverloaded(
+                f"the family of {parent.root.id!r} already has {parent.root.family_size} "
+                f"live requests; the limit (max_family_size) is {config.max_family_size}"
+            )
 
     def _new_state(
         self,
@@ -444,6 +468,7 @@ class Engine:
             owner=owner,
             timeout=timeout,
         )
+        state.root.family_size += 1
         if not params.greedy:
             state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
         return state
@@ -533,6 +558,7 @@ class Engine:
 
     def retire_request(self, state: RequestState) -> None:
         self._request_tasks -= 1
+        state.root.family_size -= 1
         self.registry.retire(state)
         if self.registry.num_live == 0:
             self._idle.set()
@@ -556,14 +582,26 @@ class Engine:
         running step leaves it at the next checkpoint without waiting for the request
         task's cleanup to run first (that cleanup still releases it, in either order).
         """
-        if state.cancel(reason, by):
-            for cancelled in (state, *state.live_descendants()):
-                self.step.note_cancelled(cancelled.seq)
+        if self._cancel_live(state, reason, by):
             return True
-        for child in state.children:
-            if not child.task_done.is_set():
-                self._cancel_tree(child, "parent", state.id)
+        # Iterative, parents before children: the first live request on each path is
+        # cancelled with its subtree by structure, and nothing under it is visited.
+        stack = [(child, state) for child in reversed(state.children)]
+        while stack:
+            child, parent = stack.pop()
+            if child.task_done.is_set() or self._cancel_live(child, "parent", parent.id):
+                continue
+            stack.extend((grandchild, child) for grandchild in reversed(child.children))
         return False
+
+    def _cancel_live(self, state: RequestState, reason: str, by: str | None) -> bool:
+        """Cancel a live request's scope and tell the step actor of it and every live
+        descendant at once; False if it had ended."""
+        if not state.cancel(reason, by):
+            return False
+        for cancelled in (state, *state.live_descendants()):
+            self.step.note_cancelled(cancelled.seq)
+        return True
 
     def sequence_of(self, request_id: str) -> Sequence | None:
         state = self.registry.get(request_id)

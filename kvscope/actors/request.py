@@ -58,6 +58,18 @@ class RequestState:
         self.params = params
         self.priority = priority
         self.parent = parent
+        #: The family's root (itself for a root) and how many ancestors it has.
+        self.root: RequestState = parent.root if parent is not None else self
+        self.depth: int = parent.depth + 1 if parent is not None else 0
+        #: On a root: the family's members whose task has not ended (the engine counts).
+        self.family_size = 0
+        #: On a root: bumped at every `cancel` in the family, so that `cancel_requested`
+        #: walks the ancestors again only after one of them may have been cancelled.
+        self.cancel_epoch = 0
+        self._seen_epoch = -1
+        self._ancestor_cancelled = False
+        #: The earliest deadline of its own scope and its ancestors' (set as it starts).
+        self.deadline = float("inf")
         self.children: list[RequestState] = []
         self.pending_children: list[RequestState] = []  # started with it (OpenAI's n)
         self.owner = owner
@@ -111,28 +123,40 @@ class RequestState:
         return self.final_status if self.final_status is not None else self.seq.status
 
     def cancel_requested(self) -> bool:
-        """True once this request or an ancestor was cancelled or timed out."""
-        now = None
-        state: RequestState | None = self
-        while state is not None:
-            scope = state.scope
-            if scope is not None:
-                if scope.cancel_called:
-                    return True
-                if scope.deadline != float("inf"):
-                    now = anyio.current_time() if now is None else now
-                    if now >= scope.deadline:
-                        return True
-            state = state.parent
-        return False
+        """True once this request or an ancestor was cancelled or timed out.
+
+        Called for every sequence of every step, so it is O(1) unless someone in the
+        family was cancelled since the last call; then it walks the ancestors once.
+        """
+        if self.deadline != float("inf") and anyio.current_time() >= self.deadline:
+            return True
+        epoch = self.root.cancel_epoch
+        if not self._ancestor_cancelled and self._seen_epoch != epoch:
+            cancelled, state = False, self
+            while state is not None:
+                if state is not self and state._seen_epoch == epoch:
+                    cancelled = state._ancestor_cancelled  # its answer is current
+                    break
+                if state.scope is not None and state.scope.cancel_called:
+                    cancelled = True
+                    break
+                state = state.parent
+            self._seen_epoch, self._ancestor_cancelled = epoch, cancelled
+        return self._ancestor_cancelled
+
+    def descendants(self) -> list[RequestState]:
+        """Every descendant, parents before their children. Iterative: a walk of the
+        tree never recurses in proportion to its depth."""
+        found: list[RequestState] = []
+        stack = list(reversed(self.children))
+        while stack:
+            state = stack.pop()
+            found.append(state)
+            stack.extend(reversed(state.children))
+        return found
 
     def live_descendants(self) -> list[RequestState]:
-        found = []
-        for child in self.children:
-            if not child.task_done.is_set():
-                found.append(child)
-            found.extend(child.live_descendants())
-        return found
+        return [state for state in self.descendants() if not state.task_done.is_set()]
 
     # -- cancelling ----------------------------------------------------------------
 
@@ -146,6 +170,7 @@ class RequestState:
             self.cancelled_wall = time.time()
         if self.scope is not None:
             self.scope.cancel()
+        self.root.cancel_epoch += 1
         return True
 
     # -- output (called by the step actor, synchronously) ----------------------------
@@ -299,6 +324,8 @@ async def run_request(
         with anyio.CancelScope() as scope:
             if state.timeout is not None:
                 scope.deadline = anyio.current_time() + state.timeout
+            parent_deadline = state.parent.deadline if state.parent is not None else scope.deadline
+            state.deadline = min(scope.deadline, parent_deadline)
             state.scope = scope
             async with anyio.create_task_group() as children:
                 state.children_group = children
