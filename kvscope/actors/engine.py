@@ -15,6 +15,7 @@ when the running step unpins them), writing the audit line.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -22,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import attrs
@@ -31,7 +32,7 @@ from anyio.abc import TaskGroup
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
-from kvscope.config import EngineConfig
+from kvscope.config import PROMPT_BYTES_PER_TOKEN, EngineConfig
 from kvscope.errors import (
     EngineClosed,
     EngineOverloaded,
@@ -44,6 +45,7 @@ from kvscope.kernels.sampling import make_generator
 from kvscope.models.loader import LoadedModel, load_model
 from kvscope.models.runner import ModelRunner
 from kvscope.params import SamplingParams
+from kvscope.text import utf8_size
 
 from .audit import AuditLog
 from .handles import DeltaStream, Job, Request
@@ -56,6 +58,7 @@ from .step import StepActor
 log = logging.getLogger("kvscope.requests")
 
 Prompt = str | list[int]
+T = TypeVar("T")
 
 
 class Engine:
@@ -88,6 +91,14 @@ class Engine:
             model_config.max_position_embeddings,
             fits,
         )
+        self.max_prompt_bytes = config.max_prompt_bytes or (
+            PROMPT_BYTES_PER_TOKEN * self.max_model_len
+        )
+        # Tokenizing has its own threads: a flood of big prompts must never hold up the
+        # step actor's thread (which takes the default limiter's).
+        self._tokenize_limiter = anyio.CapacityLimiter(2)
+        #: Sequences that passed admission but are not in the scheduler's queue yet.
+        self._admitting = 0
         self.kv_cache = KVCache(
             num_layers=model_config.num_layers,
             num_blocks=num_blocks,
@@ -370,7 +381,11 @@ class Engine:
         if not self._accepting or self._tg is None:
             raise EngineClosed("the engine is shutting down")
         params = self._sampling_params(params, sampling)
-        prompt_ids = self._encode(prompt)
+        prompt_ids = await self._encode(prompt)
+        # From here to the task's start, nothing awaits: the checks and the admission
+        # they guard cannot interleave with another request's.
+        if not self._accepting:
+            raise EngineClosed("the engine is shutting down")
         room = self.max_model_len - len(prompt_ids)
         if room <= 0:
             raise InvalidRequest(
@@ -382,8 +397,12 @@ class Engine:
             raise InvalidRequest("timeout must be a positive number of seconds")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("priority must be an integer")
-        if self.scheduler.num_waiting >= self.config.max_queued_requests:
-            raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are already queued")
+        queued = self.scheduler.num_waiting + self._admitting
+        if queued + samples > self.config.max_queued_requests:
+            raise EngineOverloaded(
+                f"{queued} sequences are already queued; the limit (max_queued_requests) "
+                f"is {self.config.max_queued_requests}"
+            )
         if request_id is not None and request_id in self.registry:
             raise RequestConflict(f"request id {request_id!r} is already in use")
         parent_state = None
@@ -417,12 +436,14 @@ class Engine:
                 timeout,
             )
             state.pending_children.append(child)
+        self._admitting += samples  # until `open_request` queues each sequence
         # Shielded: once the task exists, the caller must get its handle to own it.
         with anyio.CancelScope(shield=True):
             try:
                 await group.start(run_request, state, self)
             except RuntimeError as exc:  # the parent's group closed meanwhile
                 state.root.family_size -= samples  # counted in _new_state; no task ran
+                self._admitting -= samples
                 raise RequestConflict(f"parent request {parent!r} has ended") from exc
         return state
 
@@ -487,14 +508,40 @@ class Engine:
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    async def encode_text(
+        self, text: str, *, add_special_tokens: bool = True, what: str = "the prompt"
+    ) -> list[int]:
+        """Tokenize a client's text: valid Unicode and at most `max_prompt_bytes`
+        (checked before tokenizing), and off the event loop when it is big."""
+        size = utf8_size(text, what)
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(
+                f"{what} has {size} bytes; the limit (max_prompt_bytes) is {self.max_prompt_bytes}"
+            )
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens)
+        if size < self.config.tokenize_in_thread_bytes:
+            return encode()
+        return await anyio.to_thread.run_sync(encode, limiter=self._tokenize_limiter)
+
+    async def run_off_loop(self, size: int, work: Callable[[], T]) -> T:
+        """Run `work` (tokenizing, rendering a chat) in a tokenizer thread when `size`
+        (its input's bytes) is at least `tokenize_in_thread_bytes`, else here."""
+        if size < self.config.tokenize_in_thread_bytes:
+            return work()
+        return await anyio.to_thread.run_sync(work, limiter=self._tokenize_limiter)
+
+    async def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty")
-            return self.tokenizer.encode(prompt)
+            return await self.encode_text(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("the prompt is empty")
+            if len(prompt) > self.max_model_len:
+                raise InvalidRequest(
+                    f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}"
+                )
             vocab = self.loaded.config.vocab_size
             for token in prompt:
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
@@ -505,6 +552,7 @@ class Engine:
     # -- RequestCore: called by request tasks ------------------------------------------------
 
     def open_request(self, state: RequestState) -> None:
+        self._admitting -= 1
         self.registry.add(state)
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         if state.parent is not None:
@@ -523,6 +571,10 @@ class Engine:
 
     def close_request(self, state: RequestState, cancel_reason: str) -> None:
         """The request's cleanup; synchronous, so it always runs to the end."""
+        if state.pending_children:  # cancelled before starting them all: they never run
+            self._admitting -= len(state.pending_children)
+            state.root.family_size -= len(state.pending_children)
+            state.pending_children = []
         if state.finish_reason is None:
             if state.cancel_reason is None:
                 state.cancel_reason = cancel_reason

@@ -333,9 +333,8 @@ async def run_request(
                     core.open_request(state)
                     # Siblings submitted together join before the caller resumes, so
                     # none can find the family already ended.
-                    for child in state.pending_children:
-                        await children.start(run_request, child, core)
-                    state.pending_children = []
+                    while state.pending_children:
+                        await children.start(run_request, state.pending_children.pop(0), core)
                     task_status.started()
                     await state._generation_done.wait()
                 finally:

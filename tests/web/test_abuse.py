@@ -1,0 +1,87 @@
+"""What an adversarial client sends is refused with a 4xx (or an error event on a
+WebSocket), never a 5xx, a closed socket or a stalled loop: invalid Unicode, requests
+without a key, oversized bodies and prompts, costly sampling parameters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+from websockets.sync.client import connect
+
+from .conftest import Live, running_server, wait_clean
+
+#: JSON text with a lone surrogate escape: valid JSON and valid UTF-8, invalid Unicode.
+LONE = "a\\ud800b"
+
+
+def _post(client: httpx.Client, path: str, body: str) -> httpx.Response:
+    return client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+
+
+def test_lone_surrogates_are_a_400_everywhere(live: Live) -> None:
+    bodies = {
+        "/generate": [
+            f'{{"prompt": "{LONE}"}}',
+            f'{{"prompt": "x", "stop": ["{LONE}"]}}',
+            f'{{"prompt": "x", "stop": "{LONE}"}}',
+        ],
+        "/v1/completions": [
+            f'{{"prompt": "{LONE}"}}',
+            f'{{"prompt": ["{LONE}"]}}',
+            f'{{"prompt": "x", "stop": ["{LONE}"]}}',
+        ],
+        "/v1/chat/completions": [
+            f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}',
+            f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "{LONE}"}}]}}]}}',
+            f'{{"messages": [{{"role": "user", "content": "x"}}], "stop": "{LONE}"}}',
+        ],
+    }
+    with live.client() as client:
+        for path, cases in bodies.items():
+            for body in cases:
+                response = _post(client, path, body)
+                assert response.status_code == 400, (path, body, response.text)
+                assert "Unicode" in response.json()["error"]["message"], response.text
+    with connect(live.ws_url + "/ws/generate") as ws:
+        for body in bodies["/generate"]:
+            ws.send(body)
+            event = json.loads(ws.recv(timeout=30))
+            assert event["type"] == "error", event
+            assert event["error"]["type"] == "invalid_request_error"
+        ws.send(json.dumps({"prompt": "still open", "max_tokens": 2}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "start"
+        while json.loads(ws.recv(timeout=30))["type"] != "done":
+            pass
+    wait_clean(live)
+
+
+def test_stop_string_caps(live: Live) -> None:
+    with live.client() as client:
+        for stop in (["s"] * 17, ["x" * 257]):
+            for path in ("/generate", "/v1/completions"):
+                response = client.post(path, json={"prompt": "x", "stop": stop})
+                assert response.status_code == 400, response.text
+                assert "stop" in response.json()["error"]["message"]
+        ok = client.post("/generate", json={"prompt": "x", "stop": ["s"] * 16, "max_tokens": 1})
+        assert ok.status_code == 202
+    wait_clean(live)
+
+
+def test_a_prompt_over_max_prompt_bytes_is_refused_before_tokenizing(
+    backend: str, tmp_path: Path
+) -> None:
+    with running_server(backend, tmp_path, max_prompt_bytes=1000) as live, live.client() as client:
+        for path, body in (
+            ("/generate", {"prompt": "é" * 501}),
+            ("/v1/completions", {"prompt": "x" * 1001}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1001}]}),
+        ):
+            response = client.post(path, json=body)
+            assert response.status_code == 400, response.text
+            assert "max_prompt_bytes" in response.json()["error"]["message"]
+        assert (
+            client.post("/generate", json={"prompt": "x" * 900, "max_tokens": 1}).status_code == 202
+        )
+        wait_clean(live)
