@@ -5,9 +5,13 @@ without a key, oversized bodies and prompts, costly sampling parameters."""
 from __future__ import annotations
 
 import json
+import logging
+import socket
 from pathlib import Path
 
 import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from .conftest import Live, running_server, wait_clean
@@ -85,3 +89,43 @@ def test_a_prompt_over_max_prompt_bytes_is_refused_before_tokenizing(
             client.post("/generate", json={"prompt": "x" * 900, "max_tokens": 1}).status_code == 202
         )
         wait_clean(live)
+
+
+def _raw_exchange(live: Live, head: str, timeout: float = 10.0) -> bytes:
+    """Send only a request's head, then read what the server answers until it closes."""
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head.encode("latin-1"))
+        received = b""
+        while chunk := sock.recv(65536):  # ends when the server closes the connection
+            received += chunk
+        return received
+
+
+def test_refusals_come_before_the_body_is_read(
+    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a key (or past the body cap), the answer comes from the head alone, and
+    the connection closes: the body is never waited for. A WebSocket refused for its key
+    is a 401, with nothing logged as an error."""
+    with running_server(backend, tmp_path, api_keys=("alpha",)) as live:
+        big = 1 << 20
+        head = "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}Content-Length: {length}\r\n\r\n"
+        for path in ("/generate", "/v1/completions", "/requests/req-x"):
+            answer = _raw_exchange(live, head.format(path=path, extra="", length=big))
+            assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+            assert b"www-authenticate: Bearer" in answer.lower().replace(b"bearer", b"Bearer")
+        keyed = "Authorization: Bearer alpha\r\n"
+        answer = _raw_exchange(live, head.format(path="/generate", extra=keyed, length=big + 1))
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"max_body_bytes" in answer, answer[:200]
+        with pytest.raises(InvalidStatus) as refused:
+            with connect(live.ws_url + "/ws/generate"):
+                pass
+        assert refused.value.response.status_code == 401
+        with live.client("alpha") as client:  # and the server serves on
+            assert (
+                client.post("/generate", json={"prompt": "x", "max_tokens": 1}).status_code == 202
+            )
+            wait_clean(live)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
