@@ -19,7 +19,14 @@ from kvscope.config import EngineConfig
 
 #: `EngineConfig` limits that `kvscope serve` and `generate` take as flags of the same
 #: name (defaults from `EngineConfig`, the one place they are set).
-LIMIT_SETTINGS = ("max_request_depth", "max_family_size")
+LIMIT_SETTINGS = (
+    "max_request_depth",
+    "max_family_size",
+    "max_prompt_bytes",
+    "tokenize_in_thread_bytes",
+    "finished_history",
+    "finished_history_bytes",
+)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -48,8 +48,11 @@ class EngineConfig:
     #: Texts at least this many bytes long are tokenized (and chat templates rendered)
     #: in a worker thread, so that the event loop never waits on a big one.
     tokenize_in_thread_bytes: int = attrs.field(default=16_384, validator=v.ge(0))
-    #: Finished requests kept for look-up by id.
+    #: Finished requests kept for look-up by id (the oldest are forgotten first)...
     finished_history: int = attrs.field(default=10_000, validator=_positive)
+    #: ...and the bytes they may hold: a kept request holds its summary, text and
+    #: token ids (its per-token history is dropped when it ends).
+    finished_history_bytes: int = attrs.field(default=64 << 20, validator=_positive)
     #: Longest parent chain: a request may have at most this many ancestors. Each level
     #: nests one more cancel scope, and cancellation is delivered through the nesting.
     max_request_depth: int = attrs.field(default=32, validator=v.ge(0))

@@ -116,7 +116,7 @@ class Engine:
             on_released=lambda seq: self._release(seq.owner),  # type: ignore[arg-type]
             on_step=self._after_step,
         )
-        self.registry = Registry(config.finished_history)
+        self.registry = Registry(config.finished_history, config.finished_history_bytes)
         self.audit = AuditLog(config.audit_log)
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(config.seed)
@@ -347,6 +347,9 @@ class Engine:
             # Request tasks running now, counted by the tasks themselves as they enter
             # and leave (the step actor is not counted): 0 when nothing leaked.
             "tasks": self._request_tasks,
+            # Ended requests kept for look-up by id, and about the bytes they hold.
+            "history": self.registry.num_retained,
+            "history_bytes": self.registry.retained_bytes,
         }
 
     def audit_records(self) -> list[dict[str, Any]]:
@@ -620,6 +623,7 @@ class Engine:
         self.audit.write(state.audit_record())
         for listener in self.release_listeners:
             listener(state)
+        self.registry.released(state)
 
     def _after_step(self, started: float, forward_seconds: float, batch: int) -> None:
         for listener in self.step_listeners:

@@ -17,6 +17,7 @@ its whole subtree by structure; the task itself ends when its children have.
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Any, Protocol
 
 import anyio
@@ -27,6 +28,10 @@ from kvscope.params import SamplingParams
 
 from .messages import STATUS_OF_REASON, Completion, Delta, RequestInfo, RequestStatus
 from .scheduler import Sequence
+
+#: Bytes a folded request holds besides its text and token ids: its state, sequence,
+#: events and scope (measured with tracemalloc: about 8 KiB).
+RETAINED_OVERHEAD = 8 * 1024
 
 
 class RequestCore(Protocol):
@@ -75,6 +80,9 @@ class RequestState:
         self.owner = owner
         self.timeout = timeout
         self.prompt_ids = prompt_ids
+        self.num_prompt_tokens = len(prompt_ids)
+        #: Set by `fold`: the per-token history is gone, the summary stays.
+        self.folded = False
         self.seq: Sequence = Sequence(
             request_id,
             prompt_ids,
@@ -246,6 +254,30 @@ class RequestState:
         self.released_wall = time.time()
         self.released.set()
 
+    def fold(self) -> None:
+        """Drop the per-token history of an ended, released request, keeping what a
+        look-up by id needs (its summary, text and token ids) and what a reader still
+        reading is owed (the rest of the text and tokens, as one delta)."""
+        assert self.final_status is not None and self.released.is_set()
+        self.folded = True
+        self.log = []
+        self.token_times = []
+        self.token_ids = array("l", self.token_ids)  # type: ignore[assignment]
+        self.prompt_ids = []
+        self._decoder = None  # type: ignore[assignment]
+        self.seq.tokens = []
+        self.seq.block_hashes = []
+        self.seq.generator = None
+
+    def retained_bytes(self) -> int:
+        """About what it holds in memory once folded (the history's size budget)."""
+        return (
+            RETAINED_OVERHEAD
+            + len(self.text) * 4  # at most 4 bytes a character; usually 1
+            + len(self.token_ids) * array("l").itemsize
+            + len(self.children) * 8
+        )
+
     # -- views ------------------------------------------------------------------------
 
     @property
@@ -257,7 +289,7 @@ class RequestState:
             text=self.text,
             token_ids=tuple(self.token_ids),
             finish_reason=self.finish_reason or "cancelled",
-            prompt_tokens=len(self.prompt_ids),
+            prompt_tokens=self.num_prompt_tokens,
             cancel_reason=self.cancel_reason,
             error=self.error,
         )
@@ -268,7 +300,7 @@ class RequestState:
             status=self.status.public,
             text=self.text,
             token_ids=tuple(self.token_ids),
-            prompt_tokens=len(self.prompt_ids),
+            prompt_tokens=self.num_prompt_tokens,
             finish_reason=self.finish_reason if self.final_status is not None else None,
             cancel_reason=self.cancel_reason,
             cancelled_by=self.cancelled_by,
@@ -291,7 +323,7 @@ class RequestState:
             "created": self.created_wall,
             "cancelled": self.cancelled_wall if self.finish_reason == "cancelled" else None,
             "released": self.released_wall,
-            "prompt_tokens": len(self.prompt_ids),
+            "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": len(self.token_ids),
             "blocks_released": self.blocks_released,
             "error": self.error,
