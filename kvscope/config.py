@@ -59,6 +59,9 @@ class EngineConfig:
     #: Most live requests in one family (a root request and all its descendants, the
     #: `n` samples of one call included).
     max_family_size: int = attrs.field(default=256, validator=_positive)
+    #: Share prefix-cache blocks only between requests of the same owner (API key), so
+    #: that no key can time another's prompts (docs/security.md).
+    isolate_prefix_cache: bool = True
     #: Path of the JSON-lines audit log; None keeps records in memory only.
     audit_log: str | None = None
     #: Check the block pool's integrity whenever the step actor idles.

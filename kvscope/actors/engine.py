@@ -16,6 +16,7 @@ when the running step unpins them), writing the audit line.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import random
@@ -493,6 +494,8 @@ class Engine:
             timeout=timeout,
         )
         state.root.family_size += 1
+        if owner is not None and self.config.isolate_prefix_cache:
+            state.seq.cache_salt = hashlib.blake2b(owner.encode(), digest_size=16).digest()
         if not params.greedy:
             state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
         return state
