@@ -4,9 +4,11 @@ without a key, oversized bodies and prompts, costly sampling parameters."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import socket
+import stat
 from pathlib import Path
 
 import httpx
@@ -14,7 +16,9 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from .conftest import Live, running_server, wait_clean
+from kvscope.web import serve
+
+from .conftest import Live, running_server, wait_clean, wait_for
 
 #: JSON text with a lone surrogate escape: valid JSON and valid UTF-8, invalid Unicode.
 LONE = "a\\ud800b"
@@ -129,3 +133,29 @@ def test_refusals_come_before_the_body_is_read(
             wait_clean(live)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not errors, [r.getMessage() for r in errors]
+
+
+def test_keys_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    key_file = tmp_path / "keys"
+    key_file.write_text("# the team's keys\nalpha\n\n  beta  \n")
+    monkeypatch.setenv("KVSCOPE_API_KEY", "gamma")
+    settings = serve.settings_from(parser.parse_args(["--api-key-file", str(key_file)]))
+    assert sorted(settings.api_keys.values()) == ["alpha", "beta", "gamma"]
+    monkeypatch.delenv("KVSCOPE_API_KEY")
+    monkeypatch.setenv("KVSCOPE_API_KEY_FILE", str(key_file))
+    assert len(serve.settings_from(parser.parse_args([])).api_keys) == 2
+    key_file.write_text("# none\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        serve.settings_from(parser.parse_args([]))
+
+
+def test_the_audit_log_is_readable_by_its_owner_only(live: Live) -> None:
+    with live.client() as client:
+        client.post("/generate", json={"prompt": "x", "max_tokens": 1})
+        wait_clean(live)
+    wait_for(live.audit, what="an audit line")
+    assert stat.S_IMODE(live.audit_path.stat().st_mode) == 0o600
