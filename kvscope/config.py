@@ -12,6 +12,10 @@ from attrs import validators as v
 
 _positive = v.gt(0)
 
+#: Bytes of prompt allowed per token of context when `max_prompt_bytes` is None: more
+#: than any real text needs (English averages about 4), far less than a flood.
+PROMPT_BYTES_PER_TOKEN = 32
+
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
@@ -35,10 +39,29 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: torch intra-op threads used by the model step (None: leave torch's setting).
     model_threads: int | None = attrs.field(default=None, validator=v.optional(_positive))
-    #: Most requests waiting for admission before `submit` refuses more.
+    #: Most sequences waiting for admission before `submit` refuses more (a request
+    #: with `n` samples counts `n`).
     max_queued_requests: int = attrs.field(default=4096, validator=_positive)
-    #: Finished requests kept for look-up by id.
+    #: Largest prompt in UTF-8 bytes, checked before tokenizing; None allows
+    #: PROMPT_BYTES_PER_TOKEN bytes per token of the model's context.
+    max_prompt_bytes: int | None = attrs.field(default=None, validator=v.optional(_positive))
+    #: Texts at least this many bytes long are tokenized (and chat templates rendered)
+    #: in a worker thread, so that the event loop never waits on a big one.
+    tokenize_in_thread_bytes: int = attrs.field(default=16_384, validator=v.ge(0))
+    #: Finished requests kept for look-up by id (the oldest are forgotten first)...
     finished_history: int = attrs.field(default=10_000, validator=_positive)
+    #: ...and the bytes they may hold: a kept request holds its summary, text and
+    #: token ids (its per-token history is dropped when it ends).
+    finished_history_bytes: int = attrs.field(default=64 << 20, validator=_positive)
+    #: Longest parent chain: a request may have at most this many ancestors. Each level
+    #: nests one more cancel scope, and cancellation is delivered through the nesting.
+    max_request_depth: int = attrs.field(default=32, validator=v.ge(0))
+    #: Most live requests in one family (a root request and all its descendants, the
+    #: `n` samples of one call included).
+    max_family_size: int = attrs.field(default=256, validator=_positive)
+    #: Share prefix-cache blocks only between requests of the same owner (API key), so
+    #: that no key can time another's prompts (docs/security.md).
+    isolate_prefix_cache: bool = True
     #: Path of the JSON-lines audit log; None keeps records in memory only.
     audit_log: str | None = None
     #: Check the block pool's integrity whenever the step actor idles.

@@ -11,6 +11,8 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
+from kvscope.text import utf8_size
+
 
 def _strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
     if value is None:
@@ -24,10 +26,23 @@ def _ints(value: Iterable[int] | None) -> tuple[int, ...]:
     return tuple(value) if value is not None else ()
 
 
-def _non_empty_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+#: Most stop strings a request may give, and the longest (in characters): each one is
+#: searched for after every token, so together they bound a request's cost per token.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+def _stop_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings")
     for item in value:
         if not isinstance(item, str) or not item:
             raise ValueError(f"{attribute.name} must hold non-empty strings")
+        if len(item) > MAX_STOP_LENGTH:
+            raise ValueError(
+                f"{attribute.name} strings may be at most {MAX_STOP_LENGTH} characters long"
+            )
+        utf8_size(item, attribute.name)
 
 
 def _non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
@@ -75,9 +90,7 @@ class SamplingParams:
     seed: int | None = attrs.field(
         default=None, validator=v.optional(_int_at_least(-(2**63), 2**64 - 1))
     )
-    stop: tuple[str, ...] = attrs.field(
-        default=(), converter=_strings, validator=_non_empty_strings
-    )
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_ints, validator=_non_negative_ints
     )

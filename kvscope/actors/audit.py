@@ -9,6 +9,7 @@ records are also kept in memory, bounded, for `Engine.audit_records()`.
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
 from pathlib import Path
 from typing import IO, Any
@@ -20,7 +21,9 @@ class AuditLog:
         self._file: IO[str] | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            # Owner only (0600): the log names keys, requests and their sizes.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._file = os.fdopen(fd, "a", encoding="utf-8")
         self.records: deque[dict[str, Any]] = deque(maxlen=keep)
         self.count = 0
 

@@ -15,6 +15,8 @@ when the running step unpins them), writing the audit line.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import math
 import random
@@ -22,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import attrs
@@ -31,7 +33,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
-from kvscope.config import EngineConfig
+from kvscope.config import PROMPT_BYTES_PER_TOKEN, EngineConfig
 from kvscope.errors import (
     EngineClosed,
     EngineOverloaded,
@@ -45,6 +47,7 @@ from kvscope.models.loader import LoadedModel, load_model
 from kvscope.models.runner import ModelRunner
 from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
 from kvscope.params import SamplingParams
+from kvscope.text import utf8_size
 
 from .audit import AuditLog
 from .handles import DeltaStream, Job, Request
@@ -57,6 +60,7 @@ from .step import StepActor
 log = logging.getLogger("kvscope.requests")
 
 Prompt = str | list[int]
+T = TypeVar("T")
 
 
 class Engine:
@@ -95,6 +99,14 @@ class Engine:
             model_config.max_position_embeddings,
             fits,
         )
+        self.max_prompt_bytes = config.max_prompt_bytes or (
+            PROMPT_BYTES_PER_TOKEN * self.max_model_len
+        )
+        # Tokenizing has its own threads: a flood of big prompts must never hold up the
+        # step actor's thread (which takes the default limiter's).
+        self._tokenize_limiter = anyio.CapacityLimiter(2)
+        #: Sequences that passed admission but are not in the scheduler's queue yet.
+        self._admitting = 0
         self.kv_cache = KVCache(
             num_layers=model_config.num_layers,
             num_blocks=num_blocks,
@@ -115,7 +127,7 @@ class Engine:
             on_released=lambda seq: self._release(seq.owner),  # type: ignore[arg-type]
             on_step=self._after_step,
         )
-        self.registry = Registry(config.finished_history)
+        self.registry = Registry(config.finished_history, config.finished_history_bytes)
         self.audit = AuditLog(config.audit_log)
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(config.seed)
@@ -355,6 +367,9 @@ class Engine:
             # The model worker process (0 and 0 with worker="thread").
             "worker_pid": getattr(self.runner, "pid", None) or 0,
             "worker_restarts": getattr(self.runner, "restarts", 0),
+            # Ended requests kept for look-up by id, and about the bytes they hold.
+            "history": self.registry.num_retained,
+            "history_bytes": self.registry.retained_bytes,
         }
 
     def audit_records(self) -> list[dict[str, Any]]:
@@ -389,7 +404,11 @@ class Engine:
         if not self._accepting or self._tg is None:
             raise EngineClosed("the engine is shutting down")
         params = self._sampling_params(params, sampling)
-        prompt_ids = self._encode(prompt)
+        prompt_ids = await self._encode(prompt)
+        # From here to the task's start, nothing awaits: the checks and the admission
+        # they guard cannot interleave with another request's.
+        if not self._accepting:
+            raise EngineClosed("the engine is shutting down")
         room = self.max_model_len - len(prompt_ids)
         if room <= 0:
             raise InvalidRequest(
@@ -401,8 +420,12 @@ class Engine:
             raise InvalidRequest("timeout must be a positive number of seconds")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("priority must be an integer")
-        if self.scheduler.num_waiting >= self.config.max_queued_requests:
-            raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are already queued")
+        queued = self.scheduler.num_waiting + self._admitting
+        if queued + samples > self.config.max_queued_requests:
+            raise EngineOverloaded(
+                f"{queued} sequences are already queued; the limit (max_queued_requests) "
+                f"is {self.config.max_queued_requests}"
+            )
         if request_id is not None and request_id in self.registry:
             raise RequestConflict(f"request id {request_id!r} is already in use")
         parent_state = None
@@ -414,6 +437,7 @@ class Engine:
             if parent_state.children_group is None or parent_state.cancel_requested():
                 raise RequestConflict(f"parent request {parent!r} has ended")
             group = parent_state.children_group
+        self._check_family(parent_state, samples)
         state = self._new_state(
             request_id or new_request_id(),
             prompt_ids,
@@ -435,13 +459,38 @@ class Engine:
                 timeout,
             )
             state.pending_children.append(child)
+        self._admitting += samples  # until `open_request` queues each sequence
         # Shielded: once the task exists, the caller must get its handle to own it.
         with anyio.CancelScope(shield=True):
             try:
                 await group.start(run_request, state, self)
             except RuntimeError as exc:  # the parent's group closed meanwhile
+                state.root.family_size -= samples  # counted in _new_state; no task ran
+                self._admitting -= samples
                 raise RequestConflict(f"parent request {parent!r} has ended") from exc
         return state
+
+    def _check_family(self, parent: RequestState | None, samples: int) -> None:
+        """Refuse a request that would make its parent chain or its family too big:
+        every level of the chain nests one more cancel scope, and cancelling a family
+        reaches each member. Synchronous, and counted in `_new_state` before any await."""
+        config = self.config
+        depth = parent.depth + 1 if parent is not None else 0
+        if depth > config.max_request_depth:
+            raise InvalidRequest(
+                f"the parent chain is too deep: this request would have {depth} ancestors; "
+                f"the limit (max_request_depth) is {config.max_request_depth}"
+            )
+        if samples > config.max_family_size:
+            raise InvalidRequest(
+                f"{samples} samples exceed the limit on one family's size "
+                f"(max_family_size) of {config.max_family_size}"
+            )
+        if parent is not None and parent.root.family_size + samples > config.max_family_size:
+            raise EngineOverloaded(
+                f"the family of {parent.root.id!r} already has {parent.root.family_size} "
+                f"live requests; the limit (max_family_size) is {config.max_family_size}"
+            )
 
     def _new_state(
         self,
@@ -463,6 +512,9 @@ class Engine:
             owner=owner,
             timeout=timeout,
         )
+        state.root.family_size += 1
+        if owner is not None and self.config.isolate_prefix_cache:
+            state.seq.cache_salt = hashlib.blake2b(owner.encode(), digest_size=16).digest()
         if not params.greedy:
             state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
         return state
@@ -481,14 +533,40 @@ class Engine:
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    async def encode_text(
+        self, text: str, *, add_special_tokens: bool = True, what: str = "the prompt"
+    ) -> list[int]:
+        """Tokenize a client's text: valid Unicode and at most `max_prompt_bytes`
+        (checked before tokenizing), and off the event loop when it is big."""
+        size = utf8_size(text, what)
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(
+                f"{what} has {size} bytes; the limit (max_prompt_bytes) is {self.max_prompt_bytes}"
+            )
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens)
+        if size < self.config.tokenize_in_thread_bytes:
+            return encode()
+        return await anyio.to_thread.run_sync(encode, limiter=self._tokenize_limiter)
+
+    async def run_off_loop(self, size: int, work: Callable[[], T]) -> T:
+        """Run `work` (tokenizing, rendering a chat) in a tokenizer thread when `size`
+        (its input's bytes) is at least `tokenize_in_thread_bytes`, else here."""
+        if size < self.config.tokenize_in_thread_bytes:
+            return work()
+        return await anyio.to_thread.run_sync(work, limiter=self._tokenize_limiter)
+
+    async def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty")
-            return self.tokenizer.encode(prompt)
+            return await self.encode_text(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("the prompt is empty")
+            if len(prompt) > self.max_model_len:
+                raise InvalidRequest(
+                    f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}"
+                )
             vocab = self.loaded.config.vocab_size
             for token in prompt:
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
@@ -499,6 +577,7 @@ class Engine:
     # -- RequestCore: called by request tasks ------------------------------------------------
 
     def open_request(self, state: RequestState) -> None:
+        self._admitting -= 1
         self.registry.add(state)
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         if state.parent is not None:
@@ -517,6 +596,10 @@ class Engine:
 
     def close_request(self, state: RequestState, cancel_reason: str) -> None:
         """The request's cleanup; synchronous, so it always runs to the end."""
+        if state.pending_children:  # cancelled before starting them all: they never run
+            self._admitting -= len(state.pending_children)
+            state.root.family_size -= len(state.pending_children)
+            state.pending_children = []
         if state.finish_reason is None:
             if state.cancel_reason is None:
                 state.cancel_reason = cancel_reason
@@ -552,6 +635,7 @@ class Engine:
 
     def retire_request(self, state: RequestState) -> None:
         self._request_tasks -= 1
+        state.root.family_size -= 1
         self.registry.retire(state)
         if self.registry.num_live == 0:
             self._idle.set()
@@ -561,6 +645,7 @@ class Engine:
         self.audit.write(state.audit_record())
         for listener in self.release_listeners:
             listener(state)
+        self.registry.released(state)
 
     def _after_step(self, started: float, forward_seconds: float, batch: int) -> None:
         for listener in self.step_listeners:
@@ -575,14 +660,26 @@ class Engine:
         running step leaves it at the next checkpoint without waiting for the request
         task's cleanup to run first (that cleanup still releases it, in either order).
         """
-        if state.cancel(reason, by):
-            for cancelled in (state, *state.live_descendants()):
-                self.step.note_cancelled(cancelled.seq)
+        if self._cancel_live(state, reason, by):
             return True
-        for child in state.children:
-            if not child.task_done.is_set():
-                self._cancel_tree(child, "parent", state.id)
+        # Iterative, parents before children: the first live request on each path is
+        # cancelled with its subtree by structure, and nothing under it is visited.
+        stack = [(child, state) for child in reversed(state.children)]
+        while stack:
+            child, parent = stack.pop()
+            if child.task_done.is_set() or self._cancel_live(child, "parent", parent.id):
+                continue
+            stack.extend((grandchild, child) for grandchild in reversed(child.children))
         return False
+
+    def _cancel_live(self, state: RequestState, reason: str, by: str | None) -> bool:
+        """Cancel a live request's scope and tell the step actor of it and every live
+        descendant at once; False if it had ended."""
+        if not state.cancel(reason, by):
+            return False
+        for cancelled in (state, *state.live_descendants()):
+            self.step.note_cancelled(cancelled.seq)
+        return True
 
     def sequence_of(self, request_id: str) -> Sequence | None:
         state = self.registry.get(request_id)

@@ -15,12 +15,37 @@ from .messages import Completion, Delta, RequestInfo
 from .request import RequestState, wait_any_changed
 
 
+class _Cursor:
+    """Where a reader is in one request's output: the next log entry, and the text and
+    tokens it has read (what it is owed once the log is folded, see `RequestState.fold`)."""
+
+    __slots__ = ("chars", "index", "tokens")
+
+    def __init__(self, index: int = 0) -> None:
+        self.index, self.chars, self.tokens = index, 0, 0
+
+    def take(self, state: RequestState) -> Delta | None:
+        """The next delta, or None if there is none yet (or, once ended, any more)."""
+        if state.folded:  # the per-token log is gone: the rest in one delta
+            delta = Delta(state.text[self.chars :], tuple(state.token_ids[self.tokens :]))
+            if not delta.text and not delta.token_ids:
+                return None
+        elif self.index < len(state.log):
+            delta = state.log[self.index]
+            self.index += 1
+        else:
+            return None
+        self.chars += len(delta.text)
+        self.tokens += len(delta.token_ids)
+        return delta
+
+
 class DeltaStream:
     """Async iterator over a request's deltas, from its first one, until it ends."""
 
     def __init__(self, state: RequestState, start: int = 0) -> None:
         self._state = state
-        self._next = start
+        self._cursor = _Cursor(start)
 
     def __aiter__(self) -> DeltaStream:
         return self
@@ -28,9 +53,8 @@ class DeltaStream:
     async def __anext__(self) -> Delta:
         state = self._state
         while True:
-            if self._next < len(state.log):
-                delta = state.log[self._next]
-                self._next += 1
+            delta = self._cursor.take(state)
+            if delta is not None:
                 return delta
             if state.ended.is_set():
                 raise StopAsyncIteration
@@ -43,7 +67,7 @@ class MergedStream:
 
     def __init__(self, states: Sequence[RequestState]) -> None:
         self._states = list(states)
-        self._next = [0] * len(self._states)
+        self._cursors = [_Cursor() for _ in self._states]
         self._ended = [False] * len(self._states)
 
     def __aiter__(self) -> MergedStream:
@@ -55,10 +79,11 @@ class MergedStream:
             for index, state in enumerate(self._states):
                 if self._ended[index]:
                     continue
-                if self._next[index] < len(state.log):
-                    self._next[index] += 1
-                    return index, state.log[self._next[index] - 1]
-                if state.ended.is_set():
+                ended = state.ended.is_set()  # read first: an end comes after its deltas
+                delta = self._cursors[index].take(state)
+                if delta is not None:
+                    return index, delta
+                if ended:
                     self._ended[index] = True
                     return index, None
                 pending.append(state)

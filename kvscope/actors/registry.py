@@ -1,7 +1,10 @@
 """The registry: request id -> `RequestState`, for look-up and cancel by id.
 
-Live requests stay until their task ends; ended ones move to a bounded history so
-`GET /requests/{id}` can still answer "finished" or "cancelled" for a while. Ids are
+Live requests stay until their task ends; ended ones move to a history, bounded by
+count and by bytes, so `GET /requests/{id}` can still answer "finished" or
+"cancelled" for a while. A retired request is folded (its per-token history dropped,
+see `RequestState.fold`) once its blocks are released, so what the history holds is
+its summary, text and token ids. Ids are
 unguessable (128 random bits), so knowing one is the capability to act on it.
 """
 
@@ -18,10 +21,13 @@ def new_request_id() -> str:
 
 
 class Registry:
-    def __init__(self, history: int = 10_000) -> None:
+    def __init__(self, history: int = 10_000, history_bytes: int = 64 << 20) -> None:
         self._live: dict[str, RequestState] = {}
-        self._history: OrderedDict[str, RequestState] = OrderedDict()
+        #: Ended requests, oldest first, with the bytes each was counted at.
+        self._history: OrderedDict[str, tuple[RequestState, int]] = OrderedDict()
         self._history_size = history
+        self._history_bytes = history_bytes
+        self.retained_bytes = 0
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live or request_id in self._history
@@ -32,15 +38,32 @@ class Registry:
         self._live[state.id] = state
 
     def get(self, request_id: str) -> RequestState | None:
-        return self._live.get(request_id) or self._history.get(request_id)
+        state = self._live.get(request_id)
+        if state is not None:
+            return state
+        entry = self._history.get(request_id)
+        return entry[0] if entry is not None else None
 
     def retire(self, state: RequestState) -> None:
-        """The request's task ended: keep it in the bounded history."""
+        """The request's task ended: keep it in the history, bounded by count and by
+        bytes (the oldest go first). Its per-token history goes once it is released."""
         if self._live.pop(state.id, None) is None:
             return
-        self._history[state.id] = state
-        while len(self._history) > self._history_size:
-            self._history.popitem(last=False)
+        if state.released.is_set():
+            state.fold()
+        size = state.retained_bytes()
+        self._history[state.id] = (state, size)
+        self.retained_bytes += size
+        while self._history and (
+            len(self._history) > self._history_size or self.retained_bytes > self._history_bytes
+        ):
+            _, (_, dropped) = self._history.popitem(last=False)
+            self.retained_bytes -= dropped
+
+    def released(self, state: RequestState) -> None:
+        """A request's blocks were released: fold it if it has already retired."""
+        if state.id in self._history and not state.folded:
+            state.fold()
 
     def live(self, owner: str | None = None) -> list[RequestState]:
         return [s for s in self._live.values() if owner is None or s.owner == owner]
@@ -48,3 +71,7 @@ class Registry:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    @property
+    def num_retained(self) -> int:
+        return len(self._history)

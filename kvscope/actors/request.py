@@ -17,6 +17,7 @@ its whole subtree by structure; the task itself ends when its children have.
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Any, Protocol
 
 import anyio
@@ -27,6 +28,10 @@ from kvscope.params import SamplingParams
 
 from .messages import STATUS_OF_REASON, Completion, Delta, RequestInfo, RequestStatus
 from .scheduler import Sequence
+
+#: Bytes a folded request holds besides its text and token ids: its state, sequence,
+#: events and scope (measured with tracemalloc: about 8 KiB).
+RETAINED_OVERHEAD = 8 * 1024
 
 
 class RequestCore(Protocol):
@@ -58,11 +63,26 @@ class RequestState:
         self.params = params
         self.priority = priority
         self.parent = parent
+        #: The family's root (itself for a root) and how many ancestors it has.
+        self.root: RequestState = parent.root if parent is not None else self
+        self.depth: int = parent.depth + 1 if parent is not None else 0
+        #: On a root: the family's members whose task has not ended (the engine counts).
+        self.family_size = 0
+        #: On a root: bumped at every `cancel` in the family, so that `cancel_requested`
+        #: walks the ancestors again only after one of them may have been cancelled.
+        self.cancel_epoch = 0
+        self._seen_epoch = -1
+        self._ancestor_cancelled = False
+        #: The earliest deadline of its own scope and its ancestors' (set as it starts).
+        self.deadline = float("inf")
         self.children: list[RequestState] = []
         self.pending_children: list[RequestState] = []  # started with it (OpenAI's n)
         self.owner = owner
         self.timeout = timeout
         self.prompt_ids = prompt_ids
+        self.num_prompt_tokens = len(prompt_ids)
+        #: Set by `fold`: the per-token history is gone, the summary stays.
+        self.folded = False
         self.seq: Sequence = Sequence(
             request_id,
             prompt_ids,
@@ -111,28 +131,40 @@ class RequestState:
         return self.final_status if self.final_status is not None else self.seq.status
 
     def cancel_requested(self) -> bool:
-        """True once this request or an ancestor was cancelled or timed out."""
-        now = None
-        state: RequestState | None = self
-        while state is not None:
-            scope = state.scope
-            if scope is not None:
-                if scope.cancel_called:
-                    return True
-                if scope.deadline != float("inf"):
-                    now = anyio.current_time() if now is None else now
-                    if now >= scope.deadline:
-                        return True
-            state = state.parent
-        return False
+        """True once this request or an ancestor was cancelled or timed out.
+
+        Called for every sequence of every step, so it is O(1) unless someone in the
+        family was cancelled since the last call; then it walks the ancestors once.
+        """
+        if self.deadline != float("inf") and anyio.current_time() >= self.deadline:
+            return True
+        epoch = self.root.cancel_epoch
+        if not self._ancestor_cancelled and self._seen_epoch != epoch:
+            cancelled, state = False, self
+            while state is not None:
+                if state is not self and state._seen_epoch == epoch:
+                    cancelled = state._ancestor_cancelled  # its answer is current
+                    break
+                if state.scope is not None and state.scope.cancel_called:
+                    cancelled = True
+                    break
+                state = state.parent
+            self._seen_epoch, self._ancestor_cancelled = epoch, cancelled
+        return self._ancestor_cancelled
+
+    def descendants(self) -> list[RequestState]:
+        """Every descendant, parents before their children. Iterative: a walk of the
+        tree never recurses in proportion to its depth."""
+        found: list[RequestState] = []
+        stack = list(reversed(self.children))
+        while stack:
+            state = stack.pop()
+            found.append(state)
+            stack.extend(reversed(state.children))
+        return found
 
     def live_descendants(self) -> list[RequestState]:
-        found = []
-        for child in self.children:
-            if not child.task_done.is_set():
-                found.append(child)
-            found.extend(child.live_descendants())
-        return found
+        return [state for state in self.descendants() if not state.task_done.is_set()]
 
     # -- cancelling ----------------------------------------------------------------
 
@@ -146,6 +178,7 @@ class RequestState:
             self.cancelled_wall = time.time()
         if self.scope is not None:
             self.scope.cancel()
+        self.root.cancel_epoch += 1
         return True
 
     # -- output (called by the step actor, synchronously) ----------------------------
@@ -221,6 +254,30 @@ class RequestState:
         self.released_wall = time.time()
         self.released.set()
 
+    def fold(self) -> None:
+        """Drop the per-token history of an ended, released request, keeping what a
+        look-up by id needs (its summary, text and token ids) and what a reader still
+        reading is owed (the rest of the text and tokens, as one delta)."""
+        assert self.final_status is not None and self.released.is_set()
+        self.folded = True
+        self.log = []
+        self.token_times = []
+        self.token_ids = array("l", self.token_ids)  # type: ignore[assignment]
+        self.prompt_ids = []
+        self._decoder = None  # type: ignore[assignment]
+        self.seq.tokens = []
+        self.seq.block_hashes = []
+        self.seq.generator = None
+
+    def retained_bytes(self) -> int:
+        """About what it holds in memory once folded (the history's size budget)."""
+        return (
+            RETAINED_OVERHEAD
+            + len(self.text) * 4  # at most 4 bytes a character; usually 1
+            + len(self.token_ids) * array("l").itemsize
+            + len(self.children) * 8
+        )
+
     # -- views ------------------------------------------------------------------------
 
     @property
@@ -232,7 +289,7 @@ class RequestState:
             text=self.text,
             token_ids=tuple(self.token_ids),
             finish_reason=self.finish_reason or "cancelled",
-            prompt_tokens=len(self.prompt_ids),
+            prompt_tokens=self.num_prompt_tokens,
             cancel_reason=self.cancel_reason,
             error=self.error,
         )
@@ -243,7 +300,7 @@ class RequestState:
             status=self.status.public,
             text=self.text,
             token_ids=tuple(self.token_ids),
-            prompt_tokens=len(self.prompt_ids),
+            prompt_tokens=self.num_prompt_tokens,
             finish_reason=self.finish_reason if self.final_status is not None else None,
             cancel_reason=self.cancel_reason,
             cancelled_by=self.cancelled_by,
@@ -266,7 +323,7 @@ class RequestState:
             "created": self.created_wall,
             "cancelled": self.cancelled_wall if self.finish_reason == "cancelled" else None,
             "released": self.released_wall,
-            "prompt_tokens": len(self.prompt_ids),
+            "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": len(self.token_ids),
             "blocks_released": self.blocks_released,
             "error": self.error,
@@ -299,6 +356,8 @@ async def run_request(
         with anyio.CancelScope() as scope:
             if state.timeout is not None:
                 scope.deadline = anyio.current_time() + state.timeout
+            parent_deadline = state.parent.deadline if state.parent is not None else scope.deadline
+            state.deadline = min(scope.deadline, parent_deadline)
             state.scope = scope
             async with anyio.create_task_group() as children:
                 state.children_group = children
@@ -306,9 +365,8 @@ async def run_request(
                     core.open_request(state)
                     # Siblings submitted together join before the caller resumes, so
                     # none can find the family already ended.
-                    for child in state.pending_children:
-                        await children.start(run_request, child, core)
-                    state.pending_children = []
+                    while state.pending_children:
+                        await children.start(run_request, state.pending_children.pop(0), core)
                     task_status.started()
                     await state._generation_done.wait()
                 finally:

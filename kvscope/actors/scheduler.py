@@ -61,6 +61,7 @@ class Sequence:
         "generator",
         "owner",
         "num_preemptions",
+        "cache_salt",
     )
 
     def __init__(
@@ -92,6 +93,9 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.owner: SequenceOwner = owner
         self.num_preemptions = 0
+        #: Starts its prefix-cache hash chain: sequences share cached blocks only with
+        #: the same salt (kvscope salts with the API key, see docs/security.md).
+        self.cache_salt: bytes | None = None
         # A child shares its parent's blocks for their common prefix (fork); it waits
         # for the parent to compute that prefix rather than computing it twice.
         self.fork_from = fork_from
@@ -232,7 +236,9 @@ class Scheduler:
         seq.num_computed += num_new
         full = seq.num_computed // self.block_size
         if full > seq.num_committed:
-            extend_hashes(seq.block_hashes, seq.tokens, seq.num_computed, self.block_size)
+            extend_hashes(
+                seq.block_hashes, seq.tokens, seq.num_computed, self.block_size, seq.cache_salt
+            )
             for index in range(seq.num_committed, full):
                 self.pool.commit(seq.block_table[index], seq.block_hashes[index])
             seq.num_committed = full
@@ -339,7 +345,7 @@ class Scheduler:
             if shared_tokens:
                 seq.block_hashes = parent.block_hashes[: shared_tokens // size]
                 return parent.block_table[: blocks_needed(shared_tokens, size)], shared_tokens
-        extend_hashes(seq.block_hashes, seq.tokens, len(seq.tokens), size)
+        extend_hashes(seq.block_hashes, seq.tokens, len(seq.tokens), size, seq.cache_salt)
         hits = self.pool.lookup(seq.block_hashes)
         hits = hits[: (len(seq.tokens) - 1) // size]
         return hits, len(hits) * size

@@ -24,8 +24,15 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def extend_hashes(hashes: list[bytes], tokens: Sequence[int], upto: int, block_size: int) -> None:
-    """Append to `hashes` the hash of every full block of `tokens[:upto]` not yet hashed."""
+def extend_hashes(
+    hashes: list[bytes],
+    tokens: Sequence[int],
+    upto: int,
+    block_size: int,
+    salt: bytes | None = None,
+) -> None:
+    """Append to `hashes` the hash of every full block of `tokens[:upto]` not yet hashed.
+    A `salt` starts the chain: only sequences with the same salt share cached blocks."""
     for index in range(len(hashes), upto // block_size):
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else salt
         hashes.append(block_hash(parent, tokens[index * block_size : (index + 1) * block_size]))

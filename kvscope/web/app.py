@@ -2,7 +2,9 @@
 
 `create_app(engine, settings)` wires the blueprints (native jobs, streaming,
 WebSocket, OpenAI-compatible, observability, dashboard), the JSON error handlers, API
-keys, quart-schema's OpenAPI document at `/openapi.json`, and the body size cap. The
+keys, quart-schema's OpenAPI document at `/openapi.json`, and the body size cap; the
+`BodyGuard` in front of it refuses an unauthenticated or oversized request from its
+headers alone, before any of its body is read. The
 app does not own the engine: `server.Server` opens the engine, then serves this app on
 hypercorn inside it, so the engine outlives every connection.
 """
@@ -17,6 +19,7 @@ from kvscope import Engine
 
 from . import auth, dashboard, errors, jobs, observability, openai, streaming, websocket
 from .context import ServerContext
+from .guard import BodyGuard
 from .metrics import Metrics
 from .settings import ServerSettings
 
@@ -50,8 +53,9 @@ def create_app(
         security=[{"bearer": []}] if settings.api_keys else None,
     )
     errors.register(app, retry_after=settings.retry_after)
+    auth.register(app)  # the key first; then the body (the guard saw its size)
     app.before_request(_read_body_first)
-    auth.register(app)
+    app.asgi_app = BodyGuard(app.asgi_app, settings)  # type: ignore[method-assign]
     for module in (jobs, streaming, websocket, openai, observability, dashboard):
         app.register_blueprint(module.blueprint)
     return app

@@ -18,13 +18,18 @@ from .context import server
 from .errors import ApiError
 
 
-def _is_public(path: str) -> bool:
+def is_public(path: str) -> bool:
     """Liveness, and the dashboard's page (it asks for a key itself)."""
     return path in ("/health", "/") or path.startswith("/dashboard/")
 
 
 def _authenticate(authorization: str | None) -> str | None:
-    keys = server().settings.api_keys
+    return key_of(authorization, server().settings.api_keys)
+
+
+def key_of(authorization: str | None, keys: dict[str, str]) -> str | None:
+    """The id of the key an `Authorization` header carries (None without keys);
+    `ApiError(401)` if it carries none of `keys`."""
     if not keys:
         return None
     scheme, _, token = (authorization or "").partition(" ")
@@ -56,7 +61,7 @@ def visible(info: RequestInfo | None) -> bool:
 def register(app: Quart) -> None:
     @app.before_request
     async def _check_key() -> None:
-        if not _is_public(request.path):
+        if not is_public(request.path):
             g.key_id = _authenticate(request.headers.get("Authorization"))
 
     @app.before_websocket

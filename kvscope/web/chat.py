@@ -26,9 +26,21 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def chat_prompt(engine: Engine, messages: list[ChatMessage]) -> list[int]:
+async def chat_prompt(engine: Engine, messages: list[ChatMessage]) -> list[int]:
+    """The prompt token ids of `messages`. Their size is checked before rendering (no
+    rendered chat is smaller than its contents), and a big chat is rendered and
+    tokenized off the event loop."""
     plain = [{**m.model_dump(exclude_none=True), "content": _text(m.content)} for m in messages]
+    size = sum(len(m["content"]) for m in plain)  # characters: at most its UTF-8 bytes
+    if size > engine.max_prompt_bytes:
+        raise InvalidRequest(
+            f"the messages hold {size} characters; the limit (max_prompt_bytes) is "
+            f"{engine.max_prompt_bytes} bytes"
+        )
     if engine.loaded.chat_template is not None:
-        return engine.loaded.encode_chat(plain)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
-    return engine.tokenizer.encode(text)
+        text = await engine.run_off_loop(size, lambda: engine.loaded.render_chat(plain))
+    else:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+    # A rendered chat holds its special tokens itself.
+    special = engine.loaded.chat_template is None
+    return await engine.encode_text(text, add_special_tokens=special, what="the messages")

@@ -12,7 +12,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from quart import Quart, Response, jsonify, request
+from quart import (
+    Quart,
+    Response,
+    has_request_context,
+    has_websocket_context,
+    jsonify,
+    request,
+    websocket,
+)
 from werkzeug.exceptions import HTTPException
 
 from kvscope import errors as engine_errors
@@ -80,8 +88,18 @@ def error_body(
     return {"error": error}
 
 
+def _where() -> tuple[str, str]:
+    """The method and path being answered: an HTTP request, a WebSocket handshake (its
+    refusal is an HTTP response too), or neither (then no route's shape applies)."""
+    if has_request_context():
+        return request.method, request.path
+    if has_websocket_context():
+        return "WEBSOCKET", websocket.path
+    return "-", ""
+
+
 def error_response(error: ApiError) -> Response:
-    openai = request.path.startswith("/v1/")
+    openai = _where()[1].startswith("/v1/")
     response = jsonify(error_body(error.message, error.type, param=error.param, openai=openai))
     response.status_code = error.status
     for name, value in error.headers.items():
@@ -110,5 +128,5 @@ def register(app: Quart, *, retry_after: int = 1) -> None:
 
     @app.errorhandler(Exception)
     async def _unexpected(error: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s", *_where())
         return error_response(ApiError(500, "internal server error", "internal_error"))

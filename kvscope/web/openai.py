@@ -66,7 +66,7 @@ async def chat_completions() -> Any:
     """OpenAI chat completions; the prompt is the model's chat template over `messages`."""
     body = await read_body(ChatBody)
     ctx = server()
-    prompt = chat_prompt(ctx.engine, body.messages)
+    prompt = await chat_prompt(ctx.engine, body.messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or ctx.engine.max_model_len
     return await _complete(ctx, prompt, body, max_tokens=max_tokens, chat=True)
 

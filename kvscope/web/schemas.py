@@ -135,6 +135,8 @@ class Stats(BaseModel):
     failed: int
     steps: int
     tasks: int
+    history: int
+    history_bytes: int
 
 
 class Health(BaseModel):

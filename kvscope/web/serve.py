@@ -1,9 +1,11 @@
 """`kvscope serve`: parse the server's arguments and run `Server` until it is stopped.
 
 With no flags it serves the bundled model on 127.0.0.1:8000 on asyncio. Keys come
-from `--api-key` (repeatable) and `KVSCOPE_API_KEY` (comma-separated). Once it listens
-it prints where and what it runs, the dashboard's URL and a `curl` line that streams a
-completion (a newcomer's next step); it exits 0 after a graceful SIGINT/SIGTERM shutdown.
+from `--api-key` (repeatable), `KVSCOPE_API_KEY` (comma-separated) and a key file
+(`--api-key-file` or `KVSCOPE_API_KEY_FILE`; keys there stay out of `ps`). Once it
+listens it prints where and what it runs, the dashboard's URL and a `curl` line that
+streams a completion (a newcomer's next step); it exits 0 after a graceful
+SIGINT/SIGTERM shutdown.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import anyio
 
@@ -36,7 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         default=[],
-        help="a bearer key (repeatable; also KVSCOPE_API_KEY)",
+        help="a bearer key (repeatable); visible in `ps`: prefer --api-key-file or KVSCOPE_API_KEY",
+    )
+    group.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="a file of bearer keys, one per line (# starts a comment); also KVSCOPE_API_KEY_FILE",
     )
     group.add_argument(
         "--drain-timeout",
@@ -53,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace) -> ServerSettings:
     keys = list(args.api_key)
     keys += [k for k in os.environ.get("KVSCOPE_API_KEY", "").split(",") if k.strip()]
+    key_file = args.api_key_file or os.environ.get("KVSCOPE_API_KEY_FILE")
+    if key_file:
+        keys += read_key_file(key_file)
     return ServerSettings(
         host=args.host,
         port=args.port,
@@ -61,6 +73,19 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout,
     )
+
+
+def read_key_file(path: str) -> list[str]:
+    """The keys in a key file: one a line, blank lines and `#` comments skipped."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [key for key in keys if key and not key.startswith("#")]
+    if not keys:
+        raise ValueError(f"the API key file {path} holds no key")
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:

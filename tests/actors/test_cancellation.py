@@ -67,7 +67,7 @@ async def test_cancel_by_id_during_decode():
                 break
         report = await engine.cancel(job.id, reason="user")
         assert report.status == "running" and report.tokens_generated >= 3
-        assert report.blocks_released == len(engine.registry.get(job.id).prompt_ids) // 16 + 1
+        assert report.blocks_released == engine.get(job.id).prompt_tokens // 16 + 1
         assert_cancelled(engine, job.id, "user")
         result = await job.wait()
         assert result.finish_reason == "cancelled" and len(result.token_ids) >= 3

@@ -93,3 +93,20 @@ async def test_samples_start_as_one_family_that_shares_and_cancels_together():
         report = await engine.cancel(family[0].id)
         assert report.cancelled_children == 2
         assert [(await j.wait()).finish_reason for j in family] == ["cancelled"] * 3
+
+
+async def test_the_prefix_cache_is_shared_only_within_one_owner():
+    """No owner can time another's prompts: a prompt that owner `a` ran hits the cache
+    for `a` again, never for `b` (unless isolation is turned off)."""
+    for isolate in (True, False):
+        async with open_engine(isolate_prefix_cache=isolate) as engine:
+            await engine.generate(PROMPT, max_tokens=4, owner="key-a", **GREEDY)
+            cached = engine.stats()["kv_blocks_cached"]
+            assert cached >= 5
+            for owner, shared in (("key-b", not isolate), ("key-a", True)):
+                job = await engine.submit(PROMPT, max_tokens=400, owner=owner, **GREEDY)
+                await wait_for(lambda job=job: job.info().tokens_generated >= 1)
+                # a hit takes the cached blocks out of the cache; a miss leaves them
+                assert (engine.stats()["kv_blocks_cached"] < cached) == shared, (owner, isolate)
+                await engine.cancel(job.id)
+                cached = engine.stats()["kv_blocks_cached"]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import httpx
 
+from kvscope import EngineConfig
+
 from .conftest import LONG, Live, running_server, wait_clean, wait_status
 
 
@@ -160,3 +162,39 @@ def test_bad_input_is_a_4xx(live: Live) -> None:
         _check(client.get("/no/such/route"))
         assert client.get("/stats").json()["live_requests"] == 0
     wait_clean(live)
+
+
+def _chain(client: httpx.Client, depth: int) -> list[str]:
+    ids = [client.post("/generate", json={"prompt": "root", **LONG}).json()["id"]]
+    for _ in range(depth):
+        response = client.post("/generate", json={"prompt": "c", "parent": ids[-1], **LONG})
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    return ids
+
+
+def test_the_deepest_chain_cancels_by_delete_and_by_shutdown(backend: str, tmp_path: Path) -> None:
+    """A parent chain as deep as `max_request_depth` allows: the next level is a 400
+    naming the limit, a family past `max_family_size` a 429 naming it; DELETE of the
+    root cancels the chain, and shutting down with a chain live ends it cleanly."""
+    depth = EngineConfig().max_request_depth
+    with running_server(backend, tmp_path, max_num_seqs=4, max_family_size=depth + 2) as live:
+        with live.client() as client:
+            ids = _chain(client, depth)
+            too_deep = client.post("/generate", json={"prompt": "x", "parent": ids[-1], **LONG})
+            assert too_deep.status_code == 400
+            assert "max_request_depth" in too_deep.json()["error"]["message"]
+            client.post("/generate", json={"prompt": "x", "parent": ids[0], **LONG})
+            too_many = client.post("/generate", json={"prompt": "x", "parent": ids[0], **LONG})
+            assert too_many.status_code == 429 and "retry-after" in too_many.headers
+            assert "max_family_size" in too_many.json()["error"]["message"]
+            report = client.delete(f"/requests/{ids[0]}")
+            assert report.status_code == 200 and report.json()["cancelled_children"] == depth + 1
+            wait_clean(live)
+            assert all(client.get(f"/requests/{i}").json()["status"] == "cancelled" for i in ids)
+            live_chain = _chain(client, depth)
+        # the fixture's exit is the SIGTERM path: it shuts down with the chain live
+    audit = live.audit()
+    assert all(audit[i]["finish_reason"] == "cancelled" for i in ids + live_chain)
+    lines = live.audit_path.read_text().splitlines()
+    assert len(lines) == len(audit) == 2 * (depth + 1) + 1
