@@ -5,7 +5,7 @@ Invalid values raise `ValueError` naming the field, so the web layer can answer 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -61,6 +61,47 @@ def _int_at_least(lo: int, hi: int | None = None) -> Callable[[Any, Any, Any], N
 
 #: Below this temperature sampling is greedy: dividing logits by less overflows them.
 GREEDY_BELOW = 1e-5
+#: The most alternatives `logprobs` may ask for per token (vLLM's default cap; OpenAI's
+#: chat API allows 20).
+MAX_LOGPROBS = 20
+#: A `logit_bias` value is added to the token's logit; -100 bans the token, +100 forces it.
+MAX_LOGIT_BIAS = 100.0
+#: The seeds accepted: any 64-bit integer, signed or not (what OpenAI and vLLM take,
+#: and the range `torch.Generator.manual_seed` accepts).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """`{token id: bias}` (ids as ints or as the decimal strings JSON keys are) as
+    sorted `(id, bias)` pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, (Mapping, list, tuple)):
+        raise ValueError("logit_bias must map token ids to biases")
+    items = value.items() if isinstance(value, Mapping) else value
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError("logit_bias must map token ids to biases")
+        key, bias = item
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(
+                f"logit_bias keys must be token ids (non-negative integers), not {key!r}"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
+            raise ValueError(f"logit_bias values must be numbers, not {bias!r}")
+        if abs(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
+        pairs[key] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def field_of(exc: ValueError) -> str | None:
+    """The field a `SamplingParams` validation error names (its message starts with it)."""
+    word = str(exc).split(" ", 1)[0]
+    return word if word in SamplingParams.fields() else None
 
 
 @attrs.frozen(kw_only=True)
@@ -73,7 +114,7 @@ class SamplingParams:
     top_k: int = attrs.field(default=0, validator=_int_at_least(0))
     # The range torch.Generator.manual_seed accepts.
     seed: int | None = attrs.field(
-        default=None, validator=v.optional(_int_at_least(-(2**63), 2**64 - 1))
+        default=None, validator=v.optional(_int_at_least(SEED_MIN, SEED_MAX))
     )
     stop: tuple[str, ...] = attrs.field(
         default=(), converter=_strings, validator=_non_empty_strings
@@ -82,10 +123,55 @@ class SamplingParams:
         default=(), converter=_ints, validator=_non_negative_ints
     )
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    # What OpenAI and vLLM add (kernels/sampling.py applies them, in vLLM's order: bias,
+    # min_tokens, then the penalties, before temperature, top-k and top-p).
+    #: Log-probabilities of each chosen token and of the `logprobs` most likely
+    #: alternatives (0: the chosen token's only); None: none.
+    logprobs: int | None = attrs.field(
+        default=None, validator=v.optional(_int_at_least(0, MAX_LOGPROBS))
+    )
+    presence_penalty: float = attrs.field(default=0.0, validator=_number(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_number(-2.0, 2.0))
+    #: vLLM's (and transformers'): divides a positive logit of a token already in the
+    #: prompt or the output by this, multiplies a negative one; 1 is off.
+    repetition_penalty: float = attrs.field(
+        default=1.0, validator=_number(0.0, 100.0, lo_open=True)
+    )
+    #: End-of-sequence and stop token ids are banned until this many tokens are out.
+    min_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+
+    @min_tokens.validator
+    def _min_below_max(self, _attribute: attrs.Attribute, value: int) -> None:
+        if value > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), not {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty or `min_tokens` set: sampling needs the tokens seen so far."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
+
+    @property
+    def processed(self) -> bool:
+        """Anything set that changes the logits before sampling."""
+        return self.penalized or bool(self.logit_bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named here must exist in the model's vocabulary (ValueError if not)."""
+        for token, _bias in self.logit_bias:
+            if token >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {token} is not below the vocabulary size {vocab_size}"
+                )
 
     @classmethod
     def fields(cls) -> frozenset[str]:

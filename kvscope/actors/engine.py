@@ -457,8 +457,11 @@ class Engine:
         try:
             if params is None:
                 # The checkpoint's generation_config.json supplies what the caller left out.
-                return SamplingParams(**{**self.loaded.generation_defaults, **sampling})
-            return attrs.evolve(params, **sampling) if sampling else params
+                params = SamplingParams(**{**self.loaded.generation_defaults, **sampling})
+            elif sampling:
+                params = attrs.evolve(params, **sampling)
+            params.check_vocab(self.loaded.config.vocab_size)
+            return params
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
 

@@ -1,17 +1,71 @@
 """Token sampling from a step's logits, one row per sequence that samples.
 
-Greedy rows are one batched `argmax`. Other rows apply temperature, top-k and top-p and
-draw with the request's own `torch.Generator`, so a seeded request gives the same tokens
-whatever else shares its batch.
+The order is vLLM's: `logit_bias` is added, `min_tokens` bans the stop tokens, the
+repetition, frequency and presence penalties are applied, a grammar's mask (structured
+output) removes what it forbids; then greedy rows are one batched `argmax` and the
+others apply temperature, top-k and top-p and draw with the request's own
+`torch.Generator`, so a seeded request gives the same tokens whatever else shares its
+batch. Each processor works on the whole `[rows, vocab]` tensor at once (index lists
+built from the rows that asked for it), and a batch that asks for none of them costs one
+scan of its parameters.
+
+Log-probabilities are vLLM's default ("raw_logprobs"): the log-softmax of the model's
+own logits, before the bias, the penalties, the grammar, temperature, top-k and top-p.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
+import attrs
 import torch
 
 from kvscope.params import SamplingParams
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """The chosen token's log-probability and the `k` most likely tokens' (best first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class Sampled:
+    """One row's draw."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Guide(Protocol):
+    """A grammar that constrains a request's tokens (`kvscope.kernels.guided`)."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        """A bool mask of the tokens allowed next, or None when all are."""
+        ...
+
+    def accept(self, token: int) -> None: ...
+
+
+@attrs.define
+class RowState:
+    """What sampling needs from a request beyond its parameters, owned by the request.
+
+    `tokens` is the sequence's own list (prompt then output); the event loop appends to
+    it only between the steps that read it here.
+    """
+
+    tokens: list[int]
+    num_prompt: int
+    stop_ids: frozenset[int]
+    guide: Guide | None = None
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
 
 
 def make_generator(seed: int | None, fallback_seed: int) -> torch.Generator:
@@ -24,13 +78,126 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
+    states: Sequence[RowState | None] | None = None,
+) -> list[Sampled]:
     """Pick one token per row of `logits` ([rows, vocab], float32)."""
+    raw = logits
+    states = states if states is not None else [None] * len(params)
+    guided = [i for i, s in enumerate(states) if s is not None and s.guide is not None]
+    if guided or any(p.processed for p in params):
+        logits = process(logits.float().clone(), params, states)
+        if guided:
+            _apply_guides(logits, guided, states)
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             tokens[row] = _draw(logits[row], p, generator)
-    return tokens
+    for row in guided:
+        states[row].guide.accept(tokens[row])  # type: ignore[union-attr]
+    out = [Sampled(token) for token in tokens]
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        for row, lp in zip(wanted, logprobs_of(raw, tokens, params, wanted), strict=True):
+            out[row] = Sampled(tokens[row], lp)
+    return out
+
+
+def process(
+    logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[RowState | None]
+) -> torch.Tensor:
+    """Apply `logit_bias`, `min_tokens` and the penalties to `logits` in place."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(row)
+            cols.append(token)
+            values.append(bias)
+    if rows:
+        logits.index_put_(
+            (torch.tensor(rows), torch.tensor(cols)), torch.tensor(values), accumulate=True
+        )
+    rows, cols = [], []
+    for row, (p, state) in enumerate(zip(params, states, strict=True)):
+        if p.min_tokens and state is not None and len(state.output) < p.min_tokens:
+            rows.extend([row] * len(state.stop_ids))
+            cols.extend(state.stop_ids)
+    if rows:
+        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+    penalized = [
+        i
+        for i, (p, s) in enumerate(zip(params, states, strict=True))
+        if s is not None
+        and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+    ]
+    if penalized:
+        index = torch.tensor(penalized)
+        logits[index] = _penalize(
+            logits[index], [params[i] for i in penalized], [states[i] for i in penalized]
+        )
+    return logits
+
+
+def _penalize(
+    logits: torch.Tensor, params: list[SamplingParams], states: list[RowState | None]
+) -> torch.Tensor:
+    """vLLM's penalties on these rows: repetition over prompt and output tokens, then
+    frequency (times each output token's count) and presence (once per output token)."""
+    vocab = logits.shape[-1]
+    out_rows: list[int] = []
+    out_cols: list[int] = []
+    seen_rows: list[int] = []
+    seen_cols: list[int] = []
+    for row, state in enumerate(states):
+        assert state is not None
+        out = state.output
+        out_rows.extend([row] * len(out))
+        out_cols.extend(out)
+        seen_rows.extend([row] * len(state.tokens))
+        seen_cols.extend(state.tokens)
+    counts = torch.zeros(len(states), vocab)
+    if out_rows:
+        counts.index_put_(
+            (torch.tensor(out_rows), torch.tensor(out_cols)),
+            torch.ones(len(out_rows)),
+            accumulate=True,
+        )
+    seen = torch.zeros(len(states), vocab, dtype=torch.bool)
+    if seen_rows:
+        seen[torch.tensor(seen_rows), torch.tensor(seen_cols)] = True
+    repetition = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
+    logits = torch.where(
+        seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits
+    )
+    frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+    return logits - frequency * counts - presence * (counts > 0).float()
+
+
+def _apply_guides(logits: torch.Tensor, rows: list[int], states: Sequence[RowState | None]) -> None:
+    vocab = logits.shape[-1]
+    for row in rows:
+        allowed = states[row].guide.allowed(vocab)  # type: ignore[union-attr]
+        if allowed is not None:
+            logits[row].masked_fill_(~allowed, float("-inf"))
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams], rows: list[int]
+) -> list[TokenLogprobs]:
+    """The raw log-probabilities of the chosen tokens of `rows` and their top k."""
+    index = torch.tensor(rows)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([tokens[r] for r in rows]).unsqueeze(1))
+    k = max(params[r].logprobs or 0 for r in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    result = []
+    for j, row in enumerate(rows):
+        n = params[row].logprobs or 0
+        top = tuple(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
+        result.append(TokenLogprobs(float(chosen[j, 0]), top))
+    return result
 
 
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
