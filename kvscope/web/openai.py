@@ -328,9 +328,19 @@ class _Choices:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "top_logprobs": [self._top(lp) for lp in logprobs],
             "text_offset": offsets,
         }
+
+    def _top(self, logprobs: TokenLogprobs) -> dict[str, float]:
+        """Completions' `{token text: logprob}`; two tokens that decode alike (parts of
+        one character) would collide, so the later one is keyed `token_id:N` (vLLM's
+        spelling of a token by id)."""
+        top: dict[str, float] = {}
+        for token, value in logprobs.top:
+            text = self.token_text(token)
+            top[text if text not in top else f"token_id:{token}"] = value
+        return top
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token)
