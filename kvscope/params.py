@@ -5,6 +5,7 @@ Invalid values raise `ValueError` naming the field, so the web layer can answer 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -98,6 +99,24 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def _json_text(value: Any) -> str | None:
+    """A JSON schema given as an object (or as its JSON text) as compact JSON text."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError("guided_json must be a JSON schema (an object)") from None
+    if not isinstance(value, dict):
+        raise ValueError("guided_json must be a JSON schema (an object)")
+    return json.dumps(value, separators=(",", ":"))  # key order is generation order
+
+
+#: The structured-output fields, of which a request gives at most one.
+GUIDES = ("guided_json", "guided_regex", "guided_choice")
+
+
 def field_of(exc: ValueError) -> str | None:
     """The field a `SamplingParams` validation error names (its message starts with it)."""
     word = str(exc).split(" ", 1)[0]
@@ -140,6 +159,21 @@ class SamplingParams:
     #: End-of-sequence and stop token ids are banned until this many tokens are out.
     min_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    # Structured output (vLLM's names; kernels/guided.py): at most one of these.
+    #: A JSON schema the output must match (kept as canonical JSON text).
+    guided_json: str | None = attrs.field(default=None, converter=_json_text)
+    #: A regular expression the whole output must match.
+    guided_regex: str | None = attrs.field(default=None, validator=v.optional(v.instance_of(str)))
+    #: The output is exactly one of these strings.
+    guided_choice: tuple[str, ...] = attrs.field(
+        default=(), converter=_strings, validator=_non_empty_strings
+    )
+
+    @guided_choice.validator
+    def _one_guide(self, _attribute: attrs.Attribute, _value: object) -> None:
+        given = [name for name in GUIDES if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} cannot be combined with {given[0]}; give one guide")
 
     @min_tokens.validator
     def _min_below_max(self, _attribute: attrs.Attribute, value: int) -> None:
@@ -159,6 +193,10 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
         )
+
+    @property
+    def guided(self) -> bool:
+        return any(getattr(self, name) for name in GUIDES)
 
     @property
     def processed(self) -> bool:

@@ -40,6 +40,7 @@ from kvscope.errors import (
     UnknownRequest,
 )
 from kvscope.kernels.device import select_device
+from kvscope.kernels.guided import GuideCompiler
 from kvscope.kernels.sampling import make_generator
 from kvscope.models.loader import LoadedModel, load_model
 from kvscope.models.runner import ModelRunner
@@ -67,6 +68,7 @@ class Engine:
         self.device = device
         self.tokenizer = loaded.tokenizer
         model_config = loaded.config
+        self.guides = GuideCompiler(self.tokenizer, model_config.vocab_size)  # structured output
         num_blocks = config.num_kv_blocks or math.ceil(config.kv_cache_tokens / config.block_size)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -443,6 +445,7 @@ class Engine:
             parent=parent,
             owner=owner,
             timeout=timeout,
+            guide=self.guides.guide(params),
         )
         if not params.greedy:
             state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
@@ -461,6 +464,7 @@ class Engine:
             elif sampling:
                 params = attrs.evolve(params, **sampling)
             params.check_vocab(self.loaded.config.vocab_size)
+            self.guides.check(params)
             return params
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None

@@ -176,10 +176,15 @@ class RequestState:
             self.text += self._decoder.feed(token)
             if self.params.stop and self._truncate_at_stop_string():
                 reason = "stop"
+        guide = self.sampling.guide if self.sampling is not None else None
+        if reason is None and guide is not None and guide.done:
+            reason = "stop"  # the grammar is complete
         if reason is None and len(self.token_ids) >= self.params.max_tokens:
             reason = "length"
         self._publish(token, flush=reason is not None, logprobs=logprobs)
-        if reason is not None:
+        if guide is not None and reason is None and guide.error is not None:
+            self.finish_generation("error", error=f"structured output: {guide.error}")
+        elif reason is not None:
             self.finish_generation(reason)
 
     def finish_generation(self, reason: str, error: str | None = None) -> None:
@@ -226,6 +231,8 @@ class RequestState:
         if self.finish_reason is None:
             self.finish_reason = reason
         self.final_status = STATUS_OF_REASON[self.finish_reason]
+        if self.sampling is not None:
+            self.sampling.guide = None  # its grammar state goes with the request
         self.seq.status = self.final_status
         self._publish(None, flush=True)
         self.ended.set()

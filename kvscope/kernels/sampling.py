@@ -49,6 +49,12 @@ class Guide(Protocol):
 
     def accept(self, token: int) -> None: ...
 
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
+
 
 @attrs.define
 class RowState:
@@ -83,17 +89,20 @@ def sample(
     """Pick one token per row of `logits` ([rows, vocab], float32)."""
     raw = logits
     states = states if states is not None else [None] * len(params)
-    guided = [i for i, s in enumerate(states) if s is not None and s.guide is not None]
-    if guided or any(p.processed for p in params):
+    # Read once: a request that ends meanwhile drops its guide on the event loop.
+    guides = [(i, s.guide) for i, s in enumerate(states) if s is not None and s.guide is not None]
+    if guides or any(p.processed for p in params):
         logits = process(logits.float().clone(), params, states)
-        if guided:
-            _apply_guides(logits, guided, states)
+        for row, guide in guides:
+            allowed = guide.allowed(logits.shape[-1])
+            if allowed is not None:
+                logits[row].masked_fill_(~allowed, float("-inf"))
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             tokens[row] = _draw(logits[row], p, generator)
-    for row in guided:
-        states[row].guide.accept(tokens[row])  # type: ignore[union-attr]
+    for row, guide in guides:
+        guide.accept(tokens[row])
     out = [Sampled(token) for token in tokens]
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
@@ -173,14 +182,6 @@ def _penalize(
     frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
     presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
     return logits - frequency * counts - presence * (counts > 0).float()
-
-
-def _apply_guides(logits: torch.Tensor, rows: list[int], states: Sequence[RowState | None]) -> None:
-    vocab = logits.shape[-1]
-    for row in rows:
-        allowed = states[row].guide.allowed(vocab)  # type: ignore[union-attr]
-        if allowed is not None:
-            logits[row].masked_fill_(~allowed, float("-inf"))
 
 
 def logprobs_of(

@@ -104,8 +104,6 @@ async def chat_completions() -> Any:
         raise ApiError(
             400, 'tool calling is not supported (tool_choice "none" only)', param="tool_choice"
         )
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise ApiError(400, "response_format is not supported", param="response_format")
     ids = chat_prompt(ctx.engine, body.messages)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -127,6 +125,13 @@ async def _read(model: type[B]) -> B:
         if unknown:
             raise ApiError(400, f"{unknown[0]} is not supported by this server", param=unknown[0])
     body = validate(model, data)
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise ApiError(
+            400, "a json_schema response_format needs json_schema", param="response_format"
+        )
+    if fmt is not None and fmt.type != "text" and body.guided_json is not None:
+        raise ApiError(400, "give response_format or guided_json, not both", param="guided_json")
     engine = server().engine
     if body.model is not None:
         _check_model(engine, body.model)
@@ -195,9 +200,14 @@ def _sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str
     """The body's `SamplingParams` kwargs, checked here so a bad one names its field."""
     kwargs = body.sampling(max_tokens)
     try:
-        SamplingParams(**kwargs).check_vocab(engine.loaded.config.vocab_size)
+        params = SamplingParams(**kwargs)
+        params.check_vocab(engine.loaded.config.vocab_size)
+        engine.guides.check(params)
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=field_of(exc)) from None
+        param = field_of(exc)
+        if param == "guided_json" and body.response_format is not None:
+            param = "response_format"  # what the client sent
+        raise ApiError(400, str(exc), param=param) from None
     return kwargs
 
 

@@ -31,6 +31,30 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes once at the end
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # always strict here: the grammar enforces the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; `json_object` is any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guide_schema(self) -> dict[str, Any] | None:
+        """The JSON schema to constrain to (None for text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_ if self.json_schema is not None else None
+        return None
+
+
 class OpenAISampling(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
@@ -54,6 +78,12 @@ class OpenAISampling(BaseModel):
     min_tokens: int = Field(0, ge=0, le=INT32)
     repetition_penalty: float = 1.0
     priority: int = Field(0, ge=-INT32, le=INT32)
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: constrained decoding"
+    )
+    guided_json: dict[str, Any] | None = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: one of these strings")
     # No effect on the output: accepted and ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -79,7 +109,12 @@ class OpenAISampling(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "seed": self.seed,
             "logit_bias": self.logit_bias,
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
         }
+        if self.response_format is not None:
+            optional["guided_json"] = self.response_format.guide_schema()
         params.update({k: v for k, v in optional.items() if v is not None})
         return params
 
@@ -121,9 +156,6 @@ class ChatBody(OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs")
-    response_format: dict[str, Any] | None = Field(
-        None, description='{"type": "text" | "json_object" | "json_schema", ...}'
-    )
     tools: list[dict[str, Any]] | None = Field(None, description="refused unless empty")
     tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
     parallel_tool_calls: bool | None = None

@@ -50,6 +50,9 @@ class Sampling(Strict):
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
     )
+    guided_json: dict[str, Any] | None = Field(None, description="a JSON schema to match")
+    guided_regex: str | None = Field(None, description="a regular expression to match")
+    guided_choice: list[str] | None = Field(None, description="answer one of these strings")
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments (unset optionals left out)."""
@@ -68,6 +71,9 @@ class Sampling(Strict):
             "repetition_penalty",
             "min_tokens",
             "logit_bias",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
         )
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 

@@ -74,3 +74,12 @@ async def test_a_bias_on_a_token_outside_the_vocabulary_is_refused(engine: Engin
         await engine.generate("x", logit_bias={10_000: 1})
     with pytest.raises(InvalidRequest, match="min_tokens"):
         await engine.generate("x", max_tokens=2, min_tokens=3)
+
+
+async def test_structured_output_through_the_python_api(engine: Engine):
+    out = await engine.generate("pick", guided_choice=["alpha", "beta"], max_tokens=10, seed=3)
+    assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
+    out = await engine.generate("n", guided_regex="[0-9]{4}", max_tokens=10, temperature=0)
+    assert len(out.text) == 4 and out.text.isdigit()
+    with pytest.raises(InvalidRequest, match="guided_json"):
+        await engine.generate("x", guided_json={"type": "no-such-type"})

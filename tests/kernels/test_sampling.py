@@ -123,3 +123,21 @@ def test_any_64_bit_seed_and_logit_bias_keys_as_json_gives_them() -> None:
     assert SamplingParams(logit_bias={"7": -100, 3: 1.5}).logit_bias == ((3, 1.5), (7, -100.0))
     with pytest.raises(ValueError, match="vocabulary"):
         SamplingParams(logit_bias={300: 1}).check_vocab(258)
+
+
+def test_a_guide_masks_its_row_before_sampling_and_follows_the_draw() -> None:
+    from kvscope.kernels.guided import GuideCompiler
+    from kvscope.models.tokenizer import ByteTokenizer
+
+    compiler = GuideCompiler(ByteTokenizer(), 258)
+    params = SamplingParams(**GREEDY, guided_regex="[xy]z")
+    guide = compiler.guide(params)
+    state = RowState([256], 1, frozenset({257}), guide)
+    logits = torch.zeros(2, 258)
+    logits[:, ord("a")] = 10.0  # what the model wants, and the grammar forbids
+    drawn = []
+    for _ in range(2):
+        out = sample(logits, [params, SamplingParams(**GREEDY)], [None, None], [state, None])
+        drawn.append(out[0].token)
+        assert out[1].token == ord("a")  # the other row is untouched
+    assert bytes(drawn) in (b"xz", b"yz") and guide is not None and guide.done
