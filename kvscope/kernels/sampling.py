@@ -68,10 +68,21 @@ class RowState:
     num_prompt: int
     stop_ids: frozenset[int]
     guide: Guide | None = None
+    # `tokens` as a tensor, grown by the new tokens only (the worker's, for penalties).
+    _tensor: torch.Tensor = attrs.field(
+        init=False, factory=lambda: torch.empty(0, dtype=torch.long)
+    )
 
     @property
-    def output(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    def token_tensor(self) -> torch.Tensor:
+        known = self._tensor.numel()
+        if known < len(self.tokens):
+            new = torch.tensor(self.tokens[known:], dtype=torch.long)
+            self._tensor = torch.cat([self._tensor, new]) if known else new
+        return self._tensor
 
 
 def make_generator(seed: int | None, fallback_seed: int) -> torch.Generator:
@@ -129,7 +140,7 @@ def process(
         )
     rows, cols = [], []
     for row, (p, state) in enumerate(zip(params, states, strict=True)):
-        if p.min_tokens and state is not None and len(state.output) < p.min_tokens:
+        if p.min_tokens and state is not None and state.num_output < p.min_tokens:
             rows.extend([row] * len(state.stop_ids))
             cols.extend(state.stop_ids)
     if rows:
@@ -141,47 +152,49 @@ def process(
         and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
     ]
     if penalized:
-        index = torch.tensor(penalized)
-        logits[index] = _penalize(
-            logits[index], [params[i] for i in penalized], [states[i] for i in penalized]
-        )
+        _penalize(logits, penalized, params, states)
     return logits
 
 
 def _penalize(
-    logits: torch.Tensor, params: list[SamplingParams], states: list[RowState | None]
-) -> torch.Tensor:
-    """vLLM's penalties on these rows: repetition over prompt and output tokens, then
-    frequency (times each output token's count) and presence (once per output token)."""
+    logits: torch.Tensor,
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    states: Sequence[RowState | None],
+) -> None:
+    """vLLM's penalties on these rows, in place: repetition over the prompt and output
+    tokens, then frequency (times each output token's count) and presence (once per
+    distinct output token). Sparse: the work is in the tokens seen, not the vocabulary."""
     vocab = logits.shape[-1]
-    out_rows: list[int] = []
-    out_cols: list[int] = []
-    seen_rows: list[int] = []
-    seen_cols: list[int] = []
-    for row, state in enumerate(states):
-        assert state is not None
-        out = state.output
-        out_rows.extend([row] * len(out))
-        out_cols.extend(out)
-        seen_rows.extend([row] * len(state.tokens))
-        seen_cols.extend(state.tokens)
-    counts = torch.zeros(len(states), vocab)
-    if out_rows:
-        counts.index_put_(
-            (torch.tensor(out_rows), torch.tensor(out_cols)),
-            torch.ones(len(out_rows)),
-            accumulate=True,
+    seen = [states[r].token_tensor() for r in rows]  # type: ignore[union-attr]
+    out = [t[states[r].num_prompt :] for t, r in zip(seen, rows, strict=True)]  # type: ignore[union-attr]
+    row_ids = torch.tensor(rows)
+
+    def flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = torch.tensor([t.numel() for t in tensors])
+        return torch.repeat_interleave(row_ids, lengths), torch.cat(tensors)
+
+    def per_row(name: str) -> torch.Tensor:
+        values = torch.zeros(logits.shape[0])
+        values[row_ids] = torch.tensor([getattr(params[r], name) for r in rows])
+        return values
+
+    # A token seen twice is written twice with the same value (from the same original).
+    r, c = flat(seen)
+    values = logits[r, c]
+    repetition = per_row("repetition_penalty")[r]
+    logits[r, c] = torch.where(values > 0, values / repetition, values * repetition)
+    out_rows, out_ids = flat(out)
+    if out_ids.numel():
+        # Per occurrence: the frequency penalty, and the presence penalty divided by the
+        # token's count, so that each distinct token loses it exactly once.
+        keys = out_rows * vocab + out_ids
+        counts = torch.zeros(logits.numel()).index_add_(0, keys, torch.ones(keys.numel()))
+        per = (
+            per_row("frequency_penalty")[out_rows]
+            + per_row("presence_penalty")[out_rows] / counts[keys]
         )
-    seen = torch.zeros(len(states), vocab, dtype=torch.bool)
-    if seen_rows:
-        seen[torch.tensor(seen_rows), torch.tensor(seen_cols)] = True
-    repetition = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
-    logits = torch.where(
-        seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits
-    )
-    frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
-    return logits - frequency * counts - presence * (counts > 0).float()
+        logits.view(-1).index_add_(0, keys, -per)
 
 
 def logprobs_of(
