@@ -93,7 +93,10 @@ async def completions() -> Any:
 @blueprint.post("/chat/completions")
 @document_request(ChatBody)
 async def chat_completions() -> Any:
-    """OpenAI chat completions; the prompt is the model's chat template over `messages`."""
+    """OpenAI chat completions; the prompt is the model's chat template over `messages`.
+    Honours `n`, `stream`, `logprobs` / `top_logprobs`, the penalties, `logit_bias`,
+    `seed`, `stop` and `response_format` (`json_object`, `json_schema`: constrained
+    decoding); refuses `tools` and any `tool_choice` but `none`."""
     ctx = server()
     body = await _read(ChatBody)
     if body.top_logprobs is not None and not body.logprobs:
