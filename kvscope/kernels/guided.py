@@ -32,7 +32,7 @@ from kvscope.params import SamplingParams
 CACHE_SIZE = 128
 #: JSON without free whitespace between tokens: a small model cannot pad its output
 #: with newlines until it runs out of tokens.
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 _live: weakref.WeakSet[Guide] = weakref.WeakSet()
 
