@@ -107,7 +107,7 @@ def sample(
         for row, guide in guides:
             allowed = guide.allowed(logits.shape[-1])
             if allowed is not None:
-                logits[row].masked_fill_(~allowed, float("-inf"))
+                logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
@@ -126,6 +126,7 @@ def process(
     logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[RowState | None]
 ) -> torch.Tensor:
     """Apply `logit_bias`, `min_tokens` and the penalties to `logits` in place."""
+    device = logits.device
     rows: list[int] = []
     cols: list[int] = []
     values: list[float] = []
@@ -135,16 +136,15 @@ def process(
             cols.append(token)
             values.append(bias)
     if rows:
-        logits.index_put_(
-            (torch.tensor(rows), torch.tensor(cols)), torch.tensor(values), accumulate=True
-        )
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
     rows, cols = [], []
     for row, (p, state) in enumerate(zip(params, states, strict=True)):
         if p.min_tokens and state is not None and state.num_output < p.min_tokens:
             rows.extend([row] * len(state.stop_ids))
             cols.extend(state.stop_ids)
     if rows:
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
     penalized = [
         i
         for i, (p, s) in enumerate(zip(params, states, strict=True))
@@ -164,20 +164,22 @@ def _penalize(
 ) -> None:
     """vLLM's penalties on these rows, in place: repetition over the prompt and output
     tokens, then frequency (times each output token's count) and presence (once per
-    distinct output token). Sparse: the work is in the tokens seen, not the vocabulary."""
-    vocab = logits.shape[-1]
+    distinct output token). Sparse: the work is in the tokens seen, not the vocabulary.
+    The token lists are built on the CPU and moved to the logits' device once."""
+    vocab, device = logits.shape[-1], logits.device
     seen = [states[r].token_tensor() for r in rows]  # type: ignore[union-attr]
     out = [t[states[r].num_prompt :] for t, r in zip(seen, rows, strict=True)]  # type: ignore[union-attr]
     row_ids = torch.tensor(rows)
 
     def flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([t.numel() for t in tensors])
-        return torch.repeat_interleave(row_ids, lengths), torch.cat(tensors)
+        flat_rows = torch.repeat_interleave(row_ids, lengths)
+        return flat_rows.to(device), torch.cat(tensors).to(device)
 
     def per_row(name: str) -> torch.Tensor:
         values = torch.zeros(logits.shape[0])
         values[row_ids] = torch.tensor([getattr(params[r], name) for r in rows])
-        return values
+        return values.to(device)
 
     # A token seen twice is written twice with the same value (from the same original).
     r, c = flat(seen)
@@ -189,7 +191,8 @@ def _penalize(
         # Per occurrence: the frequency penalty, and the presence penalty divided by the
         # token's count, so that each distinct token loses it exactly once.
         keys = out_rows * vocab + out_ids
-        counts = torch.zeros(logits.numel()).index_add_(0, keys, torch.ones(keys.numel()))
+        counts = torch.zeros(logits.numel(), device=device)
+        counts.index_add_(0, keys, torch.ones(keys.numel(), device=device))
         per = (
             per_row("frequency_penalty")[out_rows]
             + per_row("presence_penalty")[out_rows] / counts[keys]
@@ -201,16 +204,18 @@ def logprobs_of(
     logits: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams], rows: list[int]
 ) -> list[TokenLogprobs]:
     """The raw log-probabilities of the chosen tokens of `rows` and their top k."""
-    index = torch.tensor(rows)
-    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor([tokens[r] for r in rows]).unsqueeze(1))
+    device = logits.device
+    logprobs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
+    chosen_ids = torch.tensor([tokens[r] for r in rows], device=device).unsqueeze(1)
+    chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
     k = max(params[r].logprobs or 0 for r in rows)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
     result = []
     for j, row in enumerate(rows):
         n = params[row].logprobs or 0
-        top = tuple(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
-        result.append(TokenLogprobs(float(chosen[j, 0]), top))
+        top = tuple(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True))
+        result.append(TokenLogprobs(chosen[j], top))
     return result
 
 
