@@ -165,13 +165,17 @@ class SamplingParams:
     #: A regular expression the whole output must match.
     guided_regex: str | None = attrs.field(default=None, validator=v.optional(v.instance_of(str)))
     #: The output is exactly one of these strings.
-    guided_choice: tuple[str, ...] = attrs.field(
-        default=(), converter=_strings, validator=_non_empty_strings
+    guided_choice: tuple[str, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_strings)
     )
 
     @guided_choice.validator
-    def _one_guide(self, _attribute: attrs.Attribute, _value: object) -> None:
-        given = [name for name in GUIDES if getattr(self, name)]
+    def _one_guide(self, attribute: attrs.Attribute, value: tuple[str, ...] | None) -> None:
+        if value is not None:
+            if not value:
+                raise ValueError("guided_choice must hold at least one string")
+            _non_empty_strings(self, attribute, value)
+        given = [name for name in GUIDES if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}; give one guide")
 
@@ -196,7 +200,7 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        return any(getattr(self, name) for name in GUIDES)
+        return any(getattr(self, name) is not None for name in GUIDES)
 
     @property
     def processed(self) -> bool:

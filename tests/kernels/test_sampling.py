@@ -109,6 +109,10 @@ def test_a_batch_mixes_plain_and_processed_rows() -> None:
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"seed": 2**64}, "seed"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"guided_json": "[1, 2]"}, "guided_json"),
     ],
 )
 def test_out_of_range_values_name_their_field(fields: dict, field: str) -> None:

@@ -133,6 +133,8 @@ def test_what_cannot_compile_is_a_400_naming_the_field(served: tuple[Live, opena
     with live.client() as http:
         response = http.post("/generate", json={"prompt": "x", "guided_json": {"type": 3}})
         assert response.status_code == 400 and "guided_json" in response.json()["error"]["message"]
+        response = http.post("/v1/completions", json={"prompt": "x", "guided_choice": []})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "guided_choice"
 
 
 def test_cancelling_a_constrained_stream_frees_blocks_and_grammar(
