@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, TypeVar
 
+import anyio
 from quart import Blueprint, request
 from quart_schema import document_request
 
@@ -199,13 +200,16 @@ def _max_tokens(
     return asked
 
 
-def _sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str, Any]:
-    """The body's `SamplingParams` kwargs, checked here so a bad one names its field."""
+async def _sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str, Any]:
+    """The body's `SamplingParams` kwargs, checked here so a bad one names its field. A
+    grammar compiles in a worker thread (a large schema can take a while), into the
+    cache the engine then reads."""
     kwargs = body.sampling(max_tokens)
     try:
         params = SamplingParams(**kwargs)
         params.check_vocab(engine.loaded.config.vocab_size)
-        engine.guides.check(params)
+        if params.guided:
+            await anyio.to_thread.run_sync(engine.guides.check, params)
     except ValueError as exc:
         param = field_of(exc)
         if param == "guided_json" and body.response_format is not None:
@@ -223,7 +227,7 @@ async def _start(
     """Each prompt's `n` samples as one family (sample 0 the parent, the rest its
     children; the engine gives sample i the seed + i), in choice order."""
     jobs: list[Job] = []
-    checked = [_sampling(ctx.engine, body, max_tokens) for _ids, max_tokens in plans]
+    checked = [await _sampling(ctx.engine, body, max_tokens) for _ids, max_tokens in plans]
     try:
         for (ids, _max), sampling in zip(plans, checked, strict=True):
             jobs += await ctx.engine.submit_samples(
