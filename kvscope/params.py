@@ -5,7 +5,8 @@ Invalid values raise `ValueError` naming the field, so the web layer can answer 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import json
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -32,17 +33,21 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 
 
-def _stop_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if len(value) > MAX_STOP_STRINGS:
-        raise ValueError(f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings")
+def _non_empty_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
     for item in value:
         if not isinstance(item, str) or not item:
             raise ValueError(f"{attribute.name} must hold non-empty strings")
-        if len(item) > MAX_STOP_LENGTH:
-            raise ValueError(
-                f"{attribute.name} strings may be at most {MAX_STOP_LENGTH} characters long"
-            )
         utf8_size(item, attribute.name)
+
+
+def _stop_strings(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings")
+    _non_empty_strings(inst, attribute, value)
+    if any(len(item) > MAX_STOP_LENGTH for item in value):
+        raise ValueError(
+            f"{attribute.name} strings may be at most {MAX_STOP_LENGTH} characters long"
+        )
 
 
 def _non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
@@ -76,6 +81,65 @@ def _int_at_least(lo: int, hi: int | None = None) -> Callable[[Any, Any, Any], N
 
 #: Below this temperature sampling is greedy: dividing logits by less overflows them.
 GREEDY_BELOW = 1e-5
+#: The most alternatives `logprobs` may ask for per token (vLLM's default cap; OpenAI's
+#: chat API allows 20).
+MAX_LOGPROBS = 20
+#: A `logit_bias` value is added to the token's logit; -100 bans the token, +100 forces it.
+MAX_LOGIT_BIAS = 100.0
+#: The seeds accepted: any 64-bit integer, signed or not (what OpenAI and vLLM take,
+#: and the range `torch.Generator.manual_seed` accepts).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """`{token id: bias}` (ids as ints or as the decimal strings JSON keys are) as
+    sorted `(id, bias)` pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, (Mapping, list, tuple)):
+        raise ValueError("logit_bias must map token ids to biases")
+    items = value.items() if isinstance(value, Mapping) else value
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError("logit_bias must map token ids to biases")
+        key, bias = item
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(
+                f"logit_bias keys must be token ids (non-negative integers), not {key!r}"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
+            raise ValueError(f"logit_bias values must be numbers, not {bias!r}")
+        if abs(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
+        pairs[key] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _json_text(value: Any) -> str | None:
+    """A JSON schema given as an object (or as its JSON text) as compact JSON text."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError("guided_json must be a JSON schema (an object)") from None
+    if not isinstance(value, dict):
+        raise ValueError("guided_json must be a JSON schema (an object)")
+    return json.dumps(value, separators=(",", ":"))  # key order is generation order
+
+
+#: The structured-output fields, of which a request gives at most one.
+GUIDES = ("guided_json", "guided_regex", "guided_choice")
+
+
+def field_of(exc: ValueError) -> str | None:
+    """The field a `SamplingParams` validation error names (its message starts with it)."""
+    word = str(exc).split(" ", 1)[0]
+    return word if word in SamplingParams.fields() else None
 
 
 @attrs.frozen(kw_only=True)
@@ -88,17 +152,85 @@ class SamplingParams:
     top_k: int = attrs.field(default=0, validator=_int_at_least(0))
     # The range torch.Generator.manual_seed accepts.
     seed: int | None = attrs.field(
-        default=None, validator=v.optional(_int_at_least(-(2**63), 2**64 - 1))
+        default=None, validator=v.optional(_int_at_least(SEED_MIN, SEED_MAX))
     )
     stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_ints, validator=_non_negative_ints
     )
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    # What OpenAI and vLLM add (kernels/sampling.py applies them, in vLLM's order: bias,
+    # min_tokens, then the penalties, before temperature, top-k and top-p).
+    #: Log-probabilities of each chosen token and of the `logprobs` most likely
+    #: alternatives (0: the chosen token's only); None: none.
+    logprobs: int | None = attrs.field(
+        default=None, validator=v.optional(_int_at_least(0, MAX_LOGPROBS))
+    )
+    presence_penalty: float = attrs.field(default=0.0, validator=_number(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_number(-2.0, 2.0))
+    #: vLLM's (and transformers'): divides a positive logit of a token already in the
+    #: prompt or the output by this, multiplies a negative one; 1 is off.
+    repetition_penalty: float = attrs.field(
+        default=1.0, validator=_number(0.0, 100.0, lo_open=True)
+    )
+    #: End-of-sequence and stop token ids are banned until this many tokens are out.
+    min_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    # Structured output (vLLM's names; kernels/guided.py): at most one of these.
+    #: A JSON schema the output must match (kept as canonical JSON text).
+    guided_json: str | None = attrs.field(default=None, converter=_json_text)
+    #: A regular expression the whole output must match.
+    guided_regex: str | None = attrs.field(default=None, validator=v.optional(v.instance_of(str)))
+    #: The output is exactly one of these strings.
+    guided_choice: tuple[str, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_strings)
+    )
+
+    @guided_choice.validator
+    def _one_guide(self, attribute: attrs.Attribute, value: tuple[str, ...] | None) -> None:
+        if value is not None:
+            if not value:
+                raise ValueError("guided_choice must hold at least one string")
+            _non_empty_strings(self, attribute, value)
+        given = [name for name in GUIDES if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} cannot be combined with {given[0]}; give one guide")
+
+    @min_tokens.validator
+    def _min_below_max(self, _attribute: attrs.Attribute, value: int) -> None:
+        if value > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), not {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty or `min_tokens` set: sampling needs the tokens seen so far."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
+
+    @property
+    def guided(self) -> bool:
+        return any(getattr(self, name) is not None for name in GUIDES)
+
+    @property
+    def processed(self) -> bool:
+        """Anything set that changes the logits before sampling."""
+        return self.penalized or bool(self.logit_bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named here must exist in the model's vocabulary (ValueError if not)."""
+        for token, _bias in self.logit_bias:
+            if token >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {token} is not below the vocabulary size {vocab_size}"
+                )
 
     @classmethod
     def fields(cls) -> frozenset[str]:

@@ -42,6 +42,7 @@ from kvscope.errors import (
     UnknownRequest,
 )
 from kvscope.kernels.device import select_device
+from kvscope.kernels.guided import GuideCompiler
 from kvscope.kernels.sampling import make_generator
 from kvscope.models.loader import LoadedModel, load_model
 from kvscope.models.runner import ModelRunner
@@ -78,6 +79,7 @@ class Engine:
         self.device = device
         self.tokenizer = loaded.tokenizer
         model_config = loaded.config
+        self.guides = GuideCompiler(self.tokenizer, model_config.vocab_size)  # structured output
         num_blocks = config.num_kv_blocks or math.ceil(config.kv_cache_tokens / config.block_size)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -511,6 +513,7 @@ class Engine:
             parent=parent,
             owner=owner,
             timeout=timeout,
+            guide=self.guides.guide(params),
         )
         state.root.family_size += 1
         if owner is not None and self.config.isolate_prefix_cache:
@@ -528,8 +531,12 @@ class Engine:
         try:
             if params is None:
                 # The checkpoint's generation_config.json supplies what the caller left out.
-                return SamplingParams(**{**self.loaded.generation_defaults, **sampling})
-            return attrs.evolve(params, **sampling) if sampling else params
+                params = SamplingParams(**{**self.loaded.generation_defaults, **sampling})
+            elif sampling:
+                params = attrs.evolve(params, **sampling)
+            params.check_vocab(self.loaded.config.vocab_size)
+            self.guides.check(params)
+            return params
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
 

@@ -14,6 +14,8 @@ import enum
 
 import attrs
 
+from kvscope.kernels.sampling import TokenLogprobs
+
 
 class RequestStatus(enum.IntEnum):
     QUEUED = 0
@@ -44,10 +46,12 @@ STATUS_OF_REASON = {
 
 @attrs.frozen
 class Delta:
-    """New output of a request: `text` decoded so far past the last delta, its tokens."""
+    """New output of a request: `text` decoded so far past the last delta, its tokens
+    (and their log-probabilities when the request asked for them)."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -59,6 +63,8 @@ class Completion:
     prompt_tokens: int
     cancel_reason: str | None = None
     error: str | None = None
+    #: One per token of `token_ids` when the request asked for `logprobs`.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from kvscope.kernels.sampling import Guide, RowState, TokenLogprobs
 from kvscope.models.tokenizer import IncrementalDecoder, Tokenizer
 from kvscope.params import SamplingParams
 
@@ -58,6 +59,7 @@ class RequestState:
         parent: RequestState | None = None,
         owner: str | None = None,
         timeout: float | None = None,
+        guide: Guide | None = None,
     ) -> None:
         self.id = request_id
         self.params = params
@@ -95,6 +97,13 @@ class RequestState:
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(tokenizer.eos_token_ids)
+        # What sampling reads beyond the parameters (penalties, min_tokens, a grammar).
+        self.sampling: RowState | None = None
+        if params.penalized or guide is not None:
+            self.sampling = RowState(
+                self.seq.tokens, len(prompt_ids), frozenset(self._stop_ids), guide
+            )
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self.text = ""
@@ -183,11 +192,13 @@ class RequestState:
 
     # -- output (called by the step actor, synchronously) ----------------------------
 
-    def deliver(self, token: int) -> None:
+    def deliver(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Take the next generated token: decode it, check the stop conditions."""
         now = time.perf_counter()
         self.seq.tokens.append(token)
         self.token_ids.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
         self.token_times.append(now)
         if self.first_token_at is None:
             self.first_token_at = now
@@ -198,10 +209,15 @@ class RequestState:
             self.text += self._decoder.feed(token)
             if self.params.stop and self._truncate_at_stop_string():
                 reason = "stop"
+        guide = self.sampling.guide if self.sampling is not None else None
+        if reason is None and guide is not None and guide.done:
+            reason = "stop"  # the grammar is complete
         if reason is None and len(self.token_ids) >= self.params.max_tokens:
             reason = "length"
-        self._publish(token, flush=reason is not None)
-        if reason is not None:
+        self._publish(token, flush=reason is not None, logprobs=logprobs)
+        if guide is not None and reason is None and guide.error is not None:
+            self.finish_generation("error", error=f"structured output: {guide.error}")
+        elif reason is not None:
             self.finish_generation(reason)
 
     def finish_generation(self, reason: str, error: str | None = None) -> None:
@@ -222,12 +238,16 @@ class RequestState:
         self.text = self.text[: min(found)]
         return True
 
-    def _publish(self, token: int | None, *, flush: bool) -> None:
+    def _publish(
+        self, token: int | None, *, flush: bool, logprobs: TokenLogprobs | None = None
+    ) -> None:
         visible = len(self.text) if flush else max(self._emitted, len(self.text) - self._holdback)
         new_text = self.text[self._emitted : visible]
         self._emitted = visible
         if token is not None or new_text:
-            self.log.append(Delta(new_text, (token,) if token is not None else ()))
+            token_ids = (token,) if token is not None else ()
+            kept = (logprobs,) if logprobs is not None and self.logprobs is not None else ()
+            self.log.append(Delta(new_text, token_ids, kept))
             self._notify()
 
     def _notify(self) -> None:
@@ -244,6 +264,8 @@ class RequestState:
         if self.finish_reason is None:
             self.finish_reason = reason
         self.final_status = STATUS_OF_REASON[self.finish_reason]
+        if self.sampling is not None:
+            self.sampling.guide = None  # its grammar state goes with the request
         self.seq.status = self.final_status
         self._publish(None, flush=True)
         self.ended.set()
@@ -292,6 +314,7 @@ class RequestState:
             prompt_tokens=self.num_prompt_tokens,
             cancel_reason=self.cancel_reason,
             error=self.error,
+            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
         )
 
     def info(self) -> RequestInfo:

@@ -22,6 +22,7 @@ import torch
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed, extend_hashes
+from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.params import SamplingParams
 
 from .messages import RequestStatus
@@ -32,7 +33,7 @@ _arrivals = itertools.count()
 class SequenceOwner(Protocol):
     """The request a sequence belongs to, as the step actor talks to it."""
 
-    def deliver(self, token: int) -> None: ...
+    def deliver(self, token: int, logprobs: TokenLogprobs | None = None) -> None: ...
 
     def finish_generation(self, reason: str, error: str | None = None) -> None: ...
 

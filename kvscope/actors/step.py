@@ -28,6 +28,7 @@ from anyio.abc import TaskStatus
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
+from kvscope.kernels.sampling import Sampled
 from kvscope.models.llama import StepAborted
 from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
 from kvscope.models.worker import ProcessRunner
@@ -109,7 +110,7 @@ class StepActor:
             seq.in_step = True
         self._in_flight = [seq for seq, _ in live]
         self.control.reset()
-        tokens: list[int | None] | None = None
+        tokens: list[Sampled | None] | None = None
         failure: BaseException | None = None
         started = time.perf_counter()
         try:
@@ -136,7 +137,7 @@ class StepActor:
                     continue
                 self.scheduler.advance(seq, num_new)
                 if token is not None:
-                    seq.owner.deliver(token)
+                    seq.owner.deliver(token.token, token.logprobs)
         if self._on_step is not None:
             self._on_step(started, forward_seconds, len(live))
 
@@ -166,4 +167,5 @@ class StepActor:
             sample=end == len(seq.tokens),
             params=seq.params,
             generator=seq.generator,
+            state=getattr(seq.owner, "sampling", None),
         )

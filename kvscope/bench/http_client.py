@@ -25,6 +25,15 @@ def check_local(base_url: str) -> None:
         raise SystemExit(f"benchmarks only send traffic to 127.0.0.1, not {host}")
 
 
+async def served_model(base_url: str) -> str:
+    """The model id the server at `base_url` answers to (its `GET /v1/models`): an
+    OpenAI-compatible server refuses any other name."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+
 async def wait_ready(base_url: str, path: str, timeout: float, alive=lambda: True) -> None:
     """Poll `path` until it answers 200, the process dies, or `timeout` s pass."""
     deadline = Deadline(timeout)

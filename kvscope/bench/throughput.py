@@ -21,7 +21,7 @@ import anyio
 
 from . import hf_peer, machine, servers
 from .engine_run import run_engine
-from .http_client import run_http_level
+from .http_client import run_http_level, served_model
 from .report import throughput_tables
 from .workload import Workload, make_prompts, vocab_size_of
 
@@ -83,7 +83,7 @@ def build_levels(args: argparse.Namespace, vocab: int) -> list[tuple[int, Worklo
 
 async def _http_peer(
     server: servers.Server,
-    model: str,
+    model: str | None,
     levels: list[tuple[int, Workload]],
     timeout: float,
     label: str,
@@ -91,6 +91,7 @@ async def _http_peer(
 ) -> list[dict[str, Any]]:
     out = []
     async with server:
+        model = model or await served_model(server.base_url)
         warm = Workload([levels[0][1].prompts[0][::-1]], 4)  # a prompt none of the levels uses
         await run_http_level(server.base_url, model, warm, 1, timeout)
         for c, workload in levels:
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             )
             print(f"kvscope serve (HTTP), {threads} thread(s) ...", flush=True)
             levels_out = anyio.run(
-                _http_peer, server, "kvscope", levels, args.level_timeout, "kvscope serve", threads
+                _http_peer, server, None, levels, args.level_timeout, "kvscope serve", threads
             )
             result["kvscope_serve"].append({"threads": threads, "levels": levels_out})
 

@@ -1,17 +1,88 @@
 """Token sampling from a step's logits, one row per sequence that samples.
 
-Greedy rows are one batched `argmax`. Other rows apply temperature, top-k and top-p and
-draw with the request's own `torch.Generator`, so a seeded request gives the same tokens
-whatever else shares its batch.
+The order is vLLM's: `logit_bias` is added, `min_tokens` bans the stop tokens, the
+repetition, frequency and presence penalties are applied, a grammar's mask (structured
+output) removes what it forbids; then greedy rows are one batched `argmax` and the
+others apply temperature, top-k and top-p and draw with the request's own
+`torch.Generator`, so a seeded request gives the same tokens whatever else shares its
+batch. Each processor works on the whole `[rows, vocab]` tensor at once (index lists
+built from the rows that asked for it), and a batch that asks for none of them costs one
+scan of its parameters.
+
+Log-probabilities are vLLM's default ("raw_logprobs"): the log-softmax of the model's
+own logits, before the bias, the penalties, the grammar, temperature, top-k and top-p.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
+import attrs
 import torch
 
 from kvscope.params import SamplingParams
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """The chosen token's log-probability and the `k` most likely tokens' (best first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class Sampled:
+    """One row's draw."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Guide(Protocol):
+    """A grammar that constrains a request's tokens (`kvscope.kernels.guided`)."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        """A bool mask of the tokens allowed next, or None when all are."""
+        ...
+
+    def accept(self, token: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+
+@attrs.define
+class RowState:
+    """What sampling needs from a request beyond its parameters, owned by the request.
+
+    `tokens` is the sequence's own list (prompt then output); the event loop appends to
+    it only between the steps that read it here.
+    """
+
+    tokens: list[int]
+    num_prompt: int
+    stop_ids: frozenset[int]
+    guide: Guide | None = None
+    # `tokens` as a tensor, grown by the new tokens only (the worker's, for penalties).
+    _tensor: torch.Tensor = attrs.field(
+        init=False, factory=lambda: torch.empty(0, dtype=torch.long)
+    )
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    def token_tensor(self) -> torch.Tensor:
+        known = self._tensor.numel()
+        if known < len(self.tokens):
+            new = torch.tensor(self.tokens[known:], dtype=torch.long)
+            self._tensor = torch.cat([self._tensor, new]) if known else new
+        return self._tensor
 
 
 def make_generator(seed: int | None, fallback_seed: int) -> torch.Generator:
@@ -24,13 +95,128 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
+    states: Sequence[RowState | None] | None = None,
+) -> list[Sampled]:
     """Pick one token per row of `logits` ([rows, vocab], float32)."""
+    raw = logits
+    states = states if states is not None else [None] * len(params)
+    # Read once: a request that ends meanwhile drops its guide on the event loop.
+    guides = [(i, s.guide) for i, s in enumerate(states) if s is not None and s.guide is not None]
+    if guides or any(p.processed for p in params):
+        logits = process(logits.float().clone(), params, states)
+        for row, guide in guides:
+            allowed = guide.allowed(logits.shape[-1])
+            if allowed is not None:
+                logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             tokens[row] = _draw(logits[row], p, generator)
-    return tokens
+    for row, guide in guides:
+        guide.accept(tokens[row])
+    out = [Sampled(token) for token in tokens]
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        for row, lp in zip(wanted, logprobs_of(raw, tokens, params, wanted), strict=True):
+            out[row] = Sampled(tokens[row], lp)
+    return out
+
+
+def process(
+    logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[RowState | None]
+) -> torch.Tensor:
+    """Apply `logit_bias`, `min_tokens` and the penalties to `logits` in place."""
+    device = logits.device
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(row)
+            cols.append(token)
+            values.append(bias)
+    if rows:
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+    rows, cols = [], []
+    for row, (p, state) in enumerate(zip(params, states, strict=True)):
+        if p.min_tokens and state is not None and state.num_output < p.min_tokens:
+            rows.extend([row] * len(state.stop_ids))
+            cols.extend(state.stop_ids)
+    if rows:
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    penalized = [
+        i
+        for i, (p, s) in enumerate(zip(params, states, strict=True))
+        if s is not None
+        and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+    ]
+    if penalized:
+        _penalize(logits, penalized, params, states)
+    return logits
+
+
+def _penalize(
+    logits: torch.Tensor,
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    states: Sequence[RowState | None],
+) -> None:
+    """vLLM's penalties on these rows, in place: repetition over the prompt and output
+    tokens, then frequency (times each output token's count) and presence (once per
+    distinct output token). Sparse: the work is in the tokens seen, not the vocabulary.
+    The token lists are built on the CPU and moved to the logits' device once."""
+    vocab, device = logits.shape[-1], logits.device
+    seen = [states[r].token_tensor() for r in rows]  # type: ignore[union-attr]
+    out = [t[states[r].num_prompt :] for t, r in zip(seen, rows, strict=True)]  # type: ignore[union-attr]
+    row_ids = torch.tensor(rows)
+
+    def flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = torch.tensor([t.numel() for t in tensors])
+        flat_rows = torch.repeat_interleave(row_ids, lengths)
+        return flat_rows.to(device), torch.cat(tensors).to(device)
+
+    def per_row(name: str) -> torch.Tensor:
+        values = torch.zeros(logits.shape[0])
+        values[row_ids] = torch.tensor([getattr(params[r], name) for r in rows])
+        return values.to(device)
+
+    # A token seen twice is written twice with the same value (from the same original).
+    r, c = flat(seen)
+    values = logits[r, c]
+    repetition = per_row("repetition_penalty")[r]
+    logits[r, c] = torch.where(values > 0, values / repetition, values * repetition)
+    out_rows, out_ids = flat(out)
+    if out_ids.numel():
+        # Per occurrence: the frequency penalty, and the presence penalty divided by the
+        # token's count, so that each distinct token loses it exactly once.
+        keys = out_rows * vocab + out_ids
+        counts = torch.zeros(logits.numel(), device=device)
+        counts.index_add_(0, keys, torch.ones(keys.numel(), device=device))
+        per = (
+            per_row("frequency_penalty")[out_rows]
+            + per_row("presence_penalty")[out_rows] / counts[keys]
+        )
+        logits.view(-1).index_add_(0, keys, -per)
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams], rows: list[int]
+) -> list[TokenLogprobs]:
+    """The raw log-probabilities of the chosen tokens of `rows` and their top k."""
+    device = logits.device
+    logprobs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
+    chosen_ids = torch.tensor([tokens[r] for r in rows], device=device).unsqueeze(1)
+    chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+    k = max(params[r].logprobs or 0 for r in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
+    result = []
+    for j, row in enumerate(rows):
+        n = params[row].logprobs or 0
+        top = tuple(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True))
+        result.append(TokenLogprobs(chosen[j], top))
+    return result
 
 
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.attention import AttentionMetadata, build_metadata
-from kvscope.kernels.sampling import sample
+from kvscope.kernels.sampling import RowState, Sampled, sample
 from kvscope.params import SamplingParams
 
 from .llama import LayerBatch, LlamaModel, StepAborted
@@ -38,6 +38,7 @@ class ChunkInput:
     sample: bool  # the chunk reaches the sequence's end: draw its next token
     params: SamplingParams
     generator: torch.Generator | None
+    state: RowState | None = None  # the request's tokens and grammar, when sampling needs them
 
 
 @attrs.frozen
@@ -87,7 +88,7 @@ class ModelRunner:
         """The control channel the step actor uses for this runner's steps."""
         return StepControl(dropped)
 
-    def execute(self, step: StepInput, control: StepControl | None = None) -> list[int | None]:
+    def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         """Run one step; returns the sampled token of each chunk (None if it samples
         none or was dropped)."""
         with torch.inference_mode():
@@ -109,7 +110,7 @@ class ModelRunner:
                 self.kv_cache,
                 checkpoint,
             )
-            tokens: list[int | None] = [None] * len(chunks)
+            tokens: list[Sampled | None] = [None] * len(chunks)
             rows, samplers, row = [], [], 0
             for index in live:  # `live` lost the dropped chunks; rows follow its order
                 row += len(chunks[index].token_ids)
@@ -122,6 +123,7 @@ class ModelRunner:
                     logits,
                     [chunks[i].params for i in samplers],
                     [chunks[i].generator for i in samplers],
+                    [chunks[i].state for i in samplers],
                 )
                 for index, token in zip(samplers, drawn, strict=True):
                     tokens[index] = token

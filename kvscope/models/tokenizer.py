@@ -76,6 +76,10 @@ class HFTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The `tokenizer.json` document (what grammar libraries read)."""
+        return self._tok.to_str()
+
 
 def _token_text(value: object) -> str | None:
     if isinstance(value, dict):

@@ -16,7 +16,10 @@ What is shared, and how:
 * per step the parent sends the frozen `StepInput` (the chunks' `torch.Generator`s go
   pickled with their state) and receives, in order: a `("dropped", chunks)` note for
   each checkpoint that left cancelled rows out (so their blocks are released at once),
-  then `("done", tokens, generator states)`, `("aborted",)` or `("error", text)`.
+  then `("done", tokens, generator states)`, `("aborted",)` or `("error", text)`;
+* a guided row's grammar state stays in the parent: its step thread computes the
+  row's token mask before sending the step (`MaskOnly` carries it), and tells the
+  grammar the token drawn when the step is done.
 
 If the worker dies, the step in flight fails with `WorkerDied` (its requests end with
 an error; the step actor releases their blocks), and the next step starts a new worker
@@ -40,6 +43,7 @@ import torch
 import torch.multiprocessing
 
 from kvscope.cache.kv_cache import KVCache
+from kvscope.kernels.sampling import Sampled
 
 from .llama import StepAborted
 from .runner import ModelRunner, StepControl, StepInput
@@ -98,6 +102,35 @@ class SharedStepControl(StepControl):
     def cancel(self, chunk: int) -> None:
         super().cancel(chunk)
         self._flags[chunk + 1] = 1
+
+
+@attrs.frozen
+class MaskOnly:
+    """(worker) A guided row's token mask, computed by the parent's grammar; the parent
+    tells its grammar the token drawn, so accepting here does nothing."""
+
+    mask: torch.Tensor | None
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        return self.mask
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+def _masks_for_worker(step: StepInput, vocab_size: int) -> tuple[StepInput, list[tuple[int, Any]]]:
+    """`step` with each guided row's grammar replaced by its mask for this step, and the
+    (chunk, grammar) pairs to tell the tokens drawn."""
+    guided = []
+    chunks = list(step.chunks)
+    for index, chunk in enumerate(chunks):
+        guide = chunk.state.guide if chunk.state is not None else None
+        if guide is None or not chunk.sample:
+            continue
+        guided.append((index, guide))
+        state = attrs.evolve(chunk.state, guide=MaskOnly(guide.allowed(vocab_size)))
+        chunks[index] = attrs.evolve(chunk, state=state)
+    return (attrs.evolve(step, chunks=chunks) if guided else step), guided
 
 
 class _WorkerControl:
@@ -192,18 +225,23 @@ class ProcessRunner:
     def new_control(self, dropped: Callable[[list[int]], None]) -> StepControl:
         return SharedStepControl(self._flags.numpy(), dropped)
 
-    def execute(self, step: StepInput, control: StepControl | None = None) -> list[int | None]:
+    def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         with self._lock:
             if self._conn is None:
                 return self.local.execute(step, control)
             try:
-                self._conn.send(step)
-                return self._receive(step, control)
+                sent, guided = _masks_for_worker(step, self.local.model.config.vocab_size)
+                self._conn.send(sent)
+                sampled = self._receive(step, control)
             except (EOFError, OSError) as exc:
                 pid, code = self._process.pid, self._drop_worker(1.0)
                 raise WorkerDied(
                     f"the model worker (pid {pid}) died mid-step (exit code {code})"
                 ) from exc
+            for index, guide in guided:
+                if sampled[index] is not None:
+                    guide.accept(sampled[index].token)
+            return sampled
 
     def start(self) -> None:
         """(blocking) Start a worker and, once its model is loaded, send it the steps."""
@@ -255,7 +293,7 @@ class ProcessRunner:
             if locked:
                 self._lock.release()
 
-    def _receive(self, step: StepInput, control: StepControl | None) -> list[int | None]:
+    def _receive(self, step: StepInput, control: StepControl | None) -> list[Sampled | None]:
         assert self._conn is not None
         while True:
             message = self._conn.recv()

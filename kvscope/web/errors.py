@@ -39,6 +39,7 @@ class ApiError(Exception):
         *,
         headers: dict[str, str] | None = None,
         param: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,6 +47,7 @@ class ApiError(Exception):
         self.type = type
         self.headers = headers or {}
         self.param = param
+        self.code = code
 
 
 #: kvscope error -> (status, type).
@@ -80,11 +82,16 @@ def from_engine(exc: engine_errors.KvscopeError, *, retry_after: int = 1) -> Api
 
 
 def error_body(
-    message: str, type_: str, *, param: str | None = None, openai: bool = False
+    message: str,
+    type_: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    openai: bool = False,
 ) -> dict[str, Any]:
     error: dict[str, Any] = {"message": message, "type": type_}
     if openai:
-        error.update(param=param, code=None)
+        error.update(param=param, code=code)
     return {"error": error}
 
 
@@ -100,7 +107,9 @@ def _where() -> tuple[str, str]:
 
 def error_response(error: ApiError) -> Response:
     openai = _where()[1].startswith("/v1/")
-    response = jsonify(error_body(error.message, error.type, param=error.param, openai=openai))
+    response = jsonify(
+        error_body(error.message, error.type, param=error.param, code=error.code, openai=openai)
+    )
     response.status_code = error.status
     for name, value in error.headers.items():
         response.headers[name] = value

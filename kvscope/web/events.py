@@ -15,12 +15,18 @@ Event = dict[str, Any]
 
 
 def token_event(request_id: str, delta: Delta) -> Event:
-    return {
+    event: Event = {
         "type": "token",
         "id": request_id,
         "text": delta.text,
         "token_ids": list(delta.token_ids),
     }
+    if delta.logprobs:  # asked for with `logprobs`: one entry per token id
+        event["logprobs"] = [
+            {"logprob": lp.logprob, "top": [[token, value] for token, value in lp.top]}
+            for lp in delta.logprobs
+        ]
+    return event
 
 
 def done_event(engine: Engine, request_id: str) -> Event:

@@ -1,9 +1,15 @@
 """OpenAI-compatible request bodies (`/v1/completions`, `/v1/chat/completions`).
 
-Lenient where OpenAI's clients are: unknown fields (`user`, `logit_bias`, ...) are
-accepted and ignored, as vLLM does; the fields kvscope acts on are validated and
-bounded. `top_k`, `ignore_eos`, `stop_token_ids` and `priority` are the usual vLLM
-extensions.
+Refused, never ignored: a field that is not declared here is a 400 naming it (a field
+that changes the output and is silently dropped is a wrong answer that looks right).
+Fields with no effect on the output (`user`, `metadata`, `store`, `service_tier`,
+`parallel_tool_calls`) are declared and ignored. Declared fields kvscope cannot honour
+in every value (`best_of`, `tools`, `tool_choice`, `response_format`, `echo` with
+`logprobs`) are checked by the route, which names them in its 400. `top_k`,
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `repetition_penalty` and `priority` are
+the usual vLLM extensions. Sampling bounds that `SamplingParams` owns are checked
+there (the route turns its error into a 400 naming the field); the ones here are
+OpenAI's own (`temperature` up to 2, `n`).
 """
 
 from __future__ import annotations
@@ -12,18 +18,52 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import INT32, SEED_MAX
+from kvscope.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+
+from .schemas import INT32
 
 MAX_N = 16
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes once at the end
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # always strict here: the grammar enforces the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; `json_object` is any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guide_schema(self) -> dict[str, Any] | None:
+        """The JSON schema to constrain to (None for text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_ if self.json_schema is not None else None
+        return None
 
 
 class OpenAISampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    """Fields both routes take. Any other field is refused with a 400 naming it (for
+    example `suffix`, `functions`, `modalities`, `use_beam_search`); `best_of` above 1,
+    `tools`, `tool_choice` other than `none` and `echo` with `logprobs` are refused too.
+    `user`, `metadata`, `store` and `service_tier` have no effect on the output and are
+    accepted. Log-probabilities are the model's raw ones (before penalties, bias,
+    grammar, temperature, top-k and top-p), as vLLM's default."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT32)
@@ -31,13 +71,31 @@ class OpenAISampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=SEED_MAX - MAX_N)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="any 64-bit integer")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string) -> bias in [-100, 100]; -100 bans the token"
+    )
     top_k: int = Field(0, ge=0, le=INT32)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=INT32)
+    repetition_penalty: float = 1.0
     priority: int = Field(0, ge=-INT32, le=INT32)
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: constrained decoding"
+    )
+    guided_json: dict[str, Any] | None = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: one of these strings")
+    # No effect on the output: accepted and ignored.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     def sampling(self, max_tokens: int) -> dict[str, Any]:
         """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i)."""
@@ -47,14 +105,30 @@ class OpenAISampling(BaseModel):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "ignore_eos": self.ignore_eos,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "logprobs": self.logprobs_wanted,
         }
-        if self.stop is not None:
-            params["stop"] = self.stop
-        if self.stop_token_ids is not None:
-            params["stop_token_ids"] = self.stop_token_ids
-        if self.seed is not None:
-            params["seed"] = self.seed
+        optional = {
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "seed": self.seed,
+            "logit_bias": self.logit_bias,
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+        }
+        if self.response_format is not None:
+            optional["guided_json"] = self.response_format.guide_schema()
+        params.update({k: v for k, v in optional.items() if v is not None})
         return params
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives per token to report (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -62,9 +136,18 @@ class OpenAISampling(BaseModel):
 
 
 class CompletionBody(OpenAISampling):
-    """`POST /v1/completions`: one prompt, as text or token ids."""
+    """`POST /v1/completions`: a prompt as text or token ids, or a batch of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = Field(False, description="the prompt's text before the completion's")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the top k per token"
+    )
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only 1 (or unset)")
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -78,3 +161,12 @@ class ChatBody(OpenAISampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs")
+    tools: list[dict[str, Any]] | None = Field(None, description="refused unless empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

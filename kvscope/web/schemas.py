@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvscope.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+
 INT32 = 2**31 - 1
-SEED_MAX = 2**63 - 1
 #: The longest timeout a request may ask for: a week.
 TIMEOUT_MAX = 7 * 24 * 3600.0
 Status = Literal["queued", "running", "finished", "cancelled", "failed"]
@@ -31,10 +32,27 @@ class Sampling(Strict):
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=INT32, description="0 disables top-k")
-    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="any 64-bit integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # Bounds of these live on `SamplingParams` (a bad value is a 400 naming the field).
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each token's log-probability and the top k (raw model logits)",
+    )
+    presence_penalty: float = Field(0.0, description="subtracted once from tokens already out")
+    frequency_penalty: float = Field(0.0, description="subtracted per occurrence in the output")
+    repetition_penalty: float = Field(1.0, description="vLLM's; 1 is off")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens banned until reached")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
+    guided_json: dict[str, Any] | None = Field(None, description="a JSON schema to match")
+    guided_regex: str | None = Field(None, description="a regular expression to match")
+    guided_choice: list[str] | None = Field(None, description="answer one of these strings")
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments (unset optionals left out)."""
@@ -47,6 +65,15 @@ class Sampling(Strict):
             "stop",
             "stop_token_ids",
             "ignore_eos",
+            "logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_tokens",
+            "logit_bias",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
         )
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 

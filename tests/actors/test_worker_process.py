@@ -108,3 +108,13 @@ async def test_closing_the_engine_mid_step_stops_the_worker():
     for job in jobs:
         info = job.info()
         assert info.finish_reason == "cancelled" and info.cancel_reason == "shutdown"
+
+
+async def test_structured_output_through_the_worker():
+    async with open_engine(worker="process") as engine:
+        await worker_ready(engine)
+        out = await engine.generate("pick", guided_choice=["alpha", "beta"], max_tokens=10)
+        assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
+        out = await engine.generate("n", guided_regex="[0-9]{4}", max_tokens=10, temperature=0)
+        assert len(out.text) == 4 and out.text.isdigit()
+        assert engine.stats()["worker_restarts"] == 0

@@ -61,7 +61,7 @@ def test_keys(backend: str, tmp_path: Path) -> None:
             with openai.OpenAI(base_url=live.url + "/v1", api_key="beta", max_retries=0) as oai:
                 assert (
                     oai.completions.create(
-                        model="m", prompt="hi", max_tokens=2
+                        model="tiny-random", prompt="hi", max_tokens=2
                     ).usage.completion_tokens
                     >= 1
                 )

@@ -48,7 +48,7 @@ def test_chat_completion_and_seeded_n(live: Live, client: openai.OpenAI) -> None
     )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
     first = client.completions.create(
-        model="m",
+        model="tiny-random",
         prompt="same prompt here",
         n=3,
         max_tokens=6,
@@ -56,7 +56,7 @@ def test_chat_completion_and_seeded_n(live: Live, client: openai.OpenAI) -> None
         extra_body={"ignore_eos": True},
     )
     again = client.completions.create(
-        model="m",
+        model="tiny-random",
         prompt="same prompt here",
         n=3,
         max_tokens=6,
@@ -77,7 +77,7 @@ def test_chat_completion_and_seeded_n(live: Live, client: openai.OpenAI) -> None
 def test_streaming_completion_and_chat(live: Live, client: openai.OpenAI) -> None:
     chunks = list(
         client.completions.create(
-            model="m",
+            model="tiny-random",
             prompt="Hi",
             max_tokens=5,
             temperature=0,
@@ -96,7 +96,7 @@ def test_streaming_completion_and_chat(live: Live, client: openai.OpenAI) -> Non
     indices = [ch.index for c in chunks for ch in c.choices]
     assert indices.index(1) < max(i for i, index in enumerate(indices) if index == 0)
     stream = client.chat.completions.create(
-        model="m",
+        model="tiny-random",
         messages=[{"role": "user", "content": "yo"}],
         max_tokens=4,
         temperature=0,
@@ -110,7 +110,7 @@ def test_streaming_completion_and_chat(live: Live, client: openai.OpenAI) -> Non
 
 def test_closing_a_stream_cancels_every_sample(live: Live, client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model="m",
+        model="tiny-random",
         prompt="long",
         n=2,
         stream=True,
@@ -132,13 +132,13 @@ def test_closing_a_stream_cancels_every_sample(live: Live, client: openai.OpenAI
 
 def test_errors_in_openai_shape(live: Live, client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="m", prompt="x", max_tokens=0)
+        client.completions.create(model="tiny-random", prompt="x", max_tokens=0)
     assert (
         caught.value.body["type"] == "invalid_request_error"
         and "max_tokens" in caught.value.body["message"]
     )
     assert "param" in caught.value.body and "code" in caught.value.body
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="x" * 10_000, max_tokens=1)
+        client.completions.create(model="tiny-random", prompt="x" * 10_000, max_tokens=1)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[], max_tokens=1)
+        client.chat.completions.create(model="tiny-random", messages=[], max_tokens=1)

@@ -1,0 +1,158 @@
+"""Structured output: a request's tokens constrained by a grammar, with llguidance.
+
+`GuideCompiler` (one per engine) owns llguidance's view of the model's tokenizer (built
+on first use) and turns a request's `guided_json` / `guided_regex` / `guided_choice`
+into a grammar; one that cannot compile is a `ValueError` naming the field (a 400 on
+the web). `Guide` is one request's matcher. The model step's worker thread asks it for
+the mask of the tokens allowed next (kernels/sampling.py applies it before sampling)
+and tells it the token drawn, so the event loop never computes a mask. A request drops
+its guide when it ends, however it ends (`RequestState.mark_ended`); `live_guides()`
+counts the matchers still alive.
+
+Why llguidance rather than xgrammar: its wheel is one abi3 binary with no Python
+dependencies (MIT) and installs against any torch, where xgrammar's builds track torch
+and transformers versions; it computes each mask lazily from an Earley parser, so a new
+schema compiles in about a millisecond instead of precomputing a per-grammar cache; it
+takes JSON Schema, regexes and Lark grammars through one matcher API.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from kvscope.params import SamplingParams
+
+#: Grammars compiled, by their source (a service sees the same schemas again and again).
+CACHE_SIZE = 128
+#: JSON without free whitespace between tokens: a small model cannot pad its output
+#: with newlines until it runs out of tokens.
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
+
+_live: weakref.WeakSet[Guide] = weakref.WeakSet()
+
+
+def live_guides() -> int:
+    """Matchers (request grammar states) alive in this process."""
+    return len(_live)
+
+
+class Guide:
+    """One request's grammar state. Used by one thread at a time: the step's worker while
+    the request is in a step, the event loop between steps."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._vocab = vocab_size
+        _live.add(self)
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        """A bool mask over the logits' columns of the tokens allowed next."""
+        if self._matcher.is_error():
+            return None  # `error` ends the request at delivery
+        allowed = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8)
+        allowed = allowed[:vocab_size] != 0
+        if allowed.numel() < vocab_size:  # the model's padding rows are never allowed
+            allowed = torch.cat([allowed, allowed.new_zeros(vocab_size - allowed.numel())])
+        return allowed
+
+    def accept(self, token: int) -> None:
+        self._matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but the end may follow."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class GuideCompiler:
+    """Grammars for one model's tokenizer."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab = vocab_size
+        self._ll_tokenizer: Any = None
+        self._lock = threading.Lock()
+        self._compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._compile_uncached)
+
+    def check(self, params: SamplingParams) -> None:
+        """ValueError naming the field if the request's grammar cannot compile."""
+        if params.guided:
+            self._grammar(params)
+
+    def guide(self, params: SamplingParams) -> Guide | None:
+        """A fresh matcher for the request (each of `n` samples gets its own)."""
+        if not params.guided:
+            return None
+        import llguidance
+
+        return Guide(
+            llguidance.LLMatcher(self._llg_tokenizer(), self._grammar(params)), self._vocab
+        )
+
+    def _grammar(self, params: SamplingParams) -> str:
+        if params.guided_json is not None:
+            return self._compile("guided_json", params.guided_json)
+        if params.guided_regex is not None:
+            return self._compile("guided_regex", params.guided_regex)
+        return self._compile("guided_choice", json.dumps(params.guided_choice))
+
+    def _compile_uncached(self, field: str, source: str) -> str:
+        try:
+            import llguidance
+        except ImportError:  # pragma: no cover - a core dependency
+            raise ValueError(f"{field} needs the llguidance package") from None
+        matcher = llguidance.LLMatcher
+        try:
+            if field == "guided_json":
+                grammar = matcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+            elif field == "guided_regex":
+                grammar = matcher.grammar_from_regex(source)
+            else:
+                choices = " | ".join(json.dumps(choice) for choice in json.loads(source))
+                grammar = matcher.grammar_from_lark(f"start: {choices}")
+        except ValueError as exc:
+            raise ValueError(f"{field} cannot be compiled: {exc}") from None
+        error = matcher.validate_grammar(grammar, self._llg_tokenizer())
+        if error and not error.startswith("WARNING"):
+            raise ValueError(f"{field} cannot be compiled: {error.strip()}")
+        return grammar
+
+    def _llg_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = _ll_tokenizer(self._tokenizer, self._vocab)
+            return self._ll_tokenizer
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's tokenizer for a Hugging Face tokenizer (its tokenizer.json) or for
+    the byte tokenizer of `tiny-random` (one token per byte, then BOS and EOS)."""
+    import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
+
+    eos = list(tokenizer.eos_token_ids)
+    if hasattr(tokenizer, "to_json"):
+        return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
+
+    class _Bytes:
+        eos_token_id = eos[0]
+        bos_token_id = tokenizer.bos_token_id
+        tokens = [bytes([i]) for i in range(256)] + [
+            b"<special>" for _ in range(256, tokenizer.vocab_size)
+        ]
+        special_token_ids = list(range(256, tokenizer.vocab_size))
+
+        def __call__(self, text: bytes | str) -> list[int]:
+            return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+    return llguidance.LLTokenizer(TokenizerWrapper(_Bytes()))

@@ -1,0 +1,147 @@
+"""Sampling: logit bias, min_tokens, penalties and log-probabilities, against hand
+computations on small logits; and the bounds `SamplingParams` puts on them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvscope.kernels.sampling import RowState, sample
+from kvscope.params import SamplingParams, field_of
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+
+
+def row_state(tokens: list[int], num_prompt: int, stop_ids: tuple[int, ...] = (9,)) -> RowState:
+    return RowState(list(tokens), num_prompt, frozenset(stop_ids))
+
+
+def test_plain_greedy_rows_are_the_argmax() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 1.0, 2.0]])
+    out = sample(logits, [SamplingParams(**GREEDY)] * 2, [None, None])
+    assert [s.token for s in out] == [1, 0] and all(s.logprobs is None for s in out)
+
+
+def test_logprobs_are_the_raw_log_softmax_and_its_top_k() -> None:
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5], [0.0, 0.0, 0.0, 3.0]])
+    # Row 0 is biased towards token 2 and samples it; its log-probabilities stay those
+    # of the model's own logits (vLLM's default, raw_logprobs).
+    params = [
+        SamplingParams(**GREEDY, logprobs=2, logit_bias={2: 100}),
+        SamplingParams(**GREEDY, logprobs=0),
+    ]
+    out = sample(logits, params, [None, None])
+    assert [s.token for s in out] == [2, 3]
+    expected = torch.log_softmax(logits, dim=-1)
+    first = out[0].logprobs
+    assert first is not None and math.isclose(first.logprob, float(expected[0, 2]), rel_tol=1e-6)
+    assert [t for t, _ in first.top] == [1, 3]
+    assert [lp for _, lp in first.top] == pytest.approx(expected[0, [1, 3]].tolist())
+    second = out[1].logprobs
+    assert second is not None and second.top == ()
+    assert math.isclose(second.logprob, float(expected[1, 3]), rel_tol=1e-6)
+
+
+def test_logit_bias_bans_and_forces() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.0, 0.0]])
+    banned = sample(logits, [SamplingParams(**GREEDY, logit_bias={"1": -100})], [None])
+    forced = sample(logits, [SamplingParams(**GREEDY, logit_bias={3: 100.0})], [None])
+    assert banned[0].token == 2 and forced[0].token == 3
+
+
+def test_min_tokens_bans_the_stop_tokens_until_reached() -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
+    params = SamplingParams(**GREEDY, min_tokens=2)
+    early = sample(logits, [params], [None], [row_state([4, 5, 1], num_prompt=2)])
+    late = sample(logits, [params], [None], [row_state([4, 5, 1, 1], num_prompt=2)])
+    assert early[0].token == 1 and late[0].token == 9
+
+
+def test_penalties_as_computed_by_hand() -> None:
+    logits = torch.tensor([[2.0, 1.9, -0.5, 1.0, 1.2]])
+    prompt, output = [3], [0, 0, 2]
+    p = SamplingParams(
+        **GREEDY, repetition_penalty=1.5, frequency_penalty=0.2, presence_penalty=0.3
+    )
+    state = row_state(prompt + output, num_prompt=1)
+    # By hand: repetition over prompt and output tokens (0, 2, 3), then frequency x count
+    # and presence once, over output tokens only (0 twice, 2 once).
+    expected = [
+        2.0 / 1.5 - 0.2 * 2 - 0.3,
+        1.9,
+        -0.5 * 1.5 - 0.2 - 0.3,
+        1.0 / 1.5,
+        1.2,
+    ]
+    from kvscope.kernels.sampling import process
+
+    processed = process(logits.clone(), [p], [state])
+    assert processed[0].tolist() == pytest.approx(expected)
+    assert sample(logits, [p], [None], [state])[0].token == 1
+    assert sample(logits, [SamplingParams(**GREEDY)], [None])[0].token == 0
+
+
+def test_a_batch_mixes_plain_and_processed_rows() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    params = [
+        SamplingParams(**GREEDY),
+        SamplingParams(**GREEDY, presence_penalty=2.0),
+        SamplingParams(**GREEDY, logit_bias={2: 10}),
+    ]
+    states = [None, row_state([1, 0], num_prompt=1), None]
+    assert [s.token for s in sample(logits, params, [None] * 3, states)] == [0, 1, 2]
+    assert logits[0].tolist() == [2.0, 1.0, 0.0]  # the step's logits are left alone
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": "a lot"}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"seed": 2**64}, "seed"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"guided_json": "[1, 2]"}, "guided_json"),
+    ],
+)
+def test_out_of_range_values_name_their_field(fields: dict, field: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(**fields)
+    assert field_of(caught.value) == field
+
+
+def test_any_64_bit_seed_and_logit_bias_keys_as_json_gives_them() -> None:
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(logit_bias={"7": -100, 3: 1.5}).logit_bias == ((3, 1.5), (7, -100.0))
+    with pytest.raises(ValueError, match="vocabulary"):
+        SamplingParams(logit_bias={300: 1}).check_vocab(258)
+
+
+def test_a_guide_masks_its_row_before_sampling_and_follows_the_draw() -> None:
+    from kvscope.kernels.guided import GuideCompiler
+    from kvscope.models.tokenizer import ByteTokenizer
+
+    compiler = GuideCompiler(ByteTokenizer(), 258)
+    params = SamplingParams(**GREEDY, guided_regex="[xy]z")
+    guide = compiler.guide(params)
+    state = RowState([256], 1, frozenset({257}), guide)
+    logits = torch.zeros(2, 258)
+    logits[:, ord("a")] = 10.0  # what the model wants, and the grammar forbids
+    drawn = []
+    for _ in range(2):
+        out = sample(logits, [params, SamplingParams(**GREEDY)], [None, None], [state, None])
+        drawn.append(out[0].token)
+        assert out[1].token == ord("a")  # the other row is untouched
+    assert bytes(drawn) in (b"xz", b"yz") and guide is not None and guide.done

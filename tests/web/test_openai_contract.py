@@ -1,0 +1,214 @@
+"""The OpenAI contract through the real `openai` client: every field is honoured or
+refused with a 400 naming it (`param`), never ignored; models by id, unknown models,
+the context limit, seeds, `echo`, batched prompts (the same contract vLLM's
+OpenAI-entrypoint tests check for completion, chat, echo, logit-bias validation,
+basic and models)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from .conftest import Live, running_server, sse_events, wait_clean, wait_status
+
+MODEL = "tiny-random"
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture
+def client(live: Live) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=30
+    ) as opened:
+        yield opened
+
+
+def refused(
+    call: Any, param: str, status: type[openai.APIStatusError] = openai.BadRequestError
+) -> dict:
+    with pytest.raises(status) as caught:
+        call()
+    body = caught.value.body
+    assert body["type"] and body["message"], body
+    assert (body["param"] or "").split(".")[0] == param, body
+    return body
+
+
+def test_models_by_id_and_unknown_models(live: Live, client: openai.OpenAI) -> None:
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    body = refused(lambda: client.models.retrieve("gpt-4o"), "model", openai.NotFoundError)
+    assert body["code"] == "model_not_found"
+    refused(
+        lambda: client.completions.create(model="gpt-4o", prompt="x", max_tokens=1),
+        "model",
+        openai.NotFoundError,
+    )
+    refused(
+        lambda: client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        ),
+        "model",
+        openai.NotFoundError,
+    )
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(
+    backend: str, tmp_path: Path
+) -> None:
+    with (
+        running_server(backend, tmp_path, max_model_len=64) as live,
+        openai.OpenAI(base_url=live.url + "/v1", api_key="-", max_retries=0) as client,
+    ):
+        assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 64
+        body = refused(
+            lambda: client.completions.create(model=MODEL, prompt="hello", max_tokens=64),
+            "max_tokens",
+        )
+        # "hello" is 6 tokens (BOS and 5 bytes): 70 asked for a context of 64.
+        assert "64" in body["message"] and "70" in body["message"]
+        refused(
+            lambda: client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_completion_tokens=64,
+            ),
+            "max_completion_tokens",
+        )
+        refused(lambda: client.completions.create(model=MODEL, prompt="x" * 64), "prompt")
+        out = client.completions.create(model=MODEL, prompt="x", max_tokens=62, **GREEDY)
+        assert out.usage.completion_tokens == 62
+        # Unset, chat's max_tokens is what fits.
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], **GREEDY
+        )
+        assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 64
+
+
+def test_any_64_bit_seed(client: openai.OpenAI) -> None:
+    texts = [
+        client.completions.create(model=MODEL, prompt="seed", max_tokens=6, seed=seed)
+        .choices[0]
+        .text
+        for seed in (-(2**63), -(2**63), 2**64 - 1)
+    ]
+    assert texts[0] == texts[1]
+    refused(lambda: client.completions.create(model=MODEL, prompt="x", seed=2**64), "seed")
+
+
+def test_bodies_that_are_not_json_or_ask_for_a_stream_option_without_a_stream(
+    live: Live, client: openai.OpenAI
+) -> None:
+    with live.client() as http:
+        for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+            response = http.post(
+                "/v1/completions",
+                content=b'{"model": "tiny-random", "prompt": "x"}',
+                headers={"Content-Type": content_type},
+            )
+            assert response.status_code == 400, response.text
+            assert "Content-Type" in response.json()["error"]["message"]
+    refused(
+        lambda: client.completions.create(
+            model=MODEL, prompt="x", max_tokens=1, stream_options={"include_usage": True}
+        ),
+        "stream_options",
+    )
+
+
+def test_logprobs_and_logit_bias_out_of_range(client: openai.OpenAI) -> None:
+    def completion(**fields: Any) -> Any:
+        return lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=1, **fields)
+
+    def chat(**fields: Any) -> Any:
+        return lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, **fields
+        )
+
+    refused(completion(logprobs=21), "logprobs")
+    refused(completion(logprobs=-1), "logprobs")
+    refused(chat(logprobs=True, top_logprobs=21), "top_logprobs")
+    refused(chat(top_logprobs=2), "top_logprobs")
+    refused(completion(logit_bias={"not-a-token": 1}), "logit_bias")
+    refused(completion(logit_bias={"1": "a lot"}), "logit_bias")
+    refused(completion(logit_bias={"1": 101}), "logit_bias")
+    refused(completion(logit_bias={"100000": 1}), "logit_bias")
+    refused(completion(presence_penalty=2.5), "presence_penalty")
+    refused(completion(extra_body={"repetition_penalty": 0}), "repetition_penalty")
+    refused(completion(extra_body={"min_tokens": 5}), "min_tokens")  # above max_tokens
+
+
+def test_fields_that_would_change_the_output_are_refused(client: openai.OpenAI) -> None:
+    def completion(**fields: Any) -> Any:
+        return lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=1, **fields)
+
+    def chat(**fields: Any) -> Any:
+        return lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, **fields
+        )
+
+    refused(completion(suffix="tail"), "suffix")
+    refused(completion(best_of=2, n=1), "best_of")
+    refused(completion(echo=True, logprobs=1), "echo")
+    refused(completion(extra_body={"use_beam_search": True}), "use_beam_search")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    refused(chat(tools=[tool]), "tools")
+    refused(chat(tool_choice="auto"), "tool_choice")
+    refused(chat(extra_body={"functions": [tool["function"]]}), "functions")
+    refused(chat(modalities=["audio"]), "modalities")
+    # No effect on the output: accepted.
+    out = chat(user="u-1", metadata={"k": "v"}, store=False, tool_choice="none")()
+    assert out.choices[0].message.role == "assistant"
+
+
+def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=4, **GREEDY)
+    echoed = client.completions.create(
+        model=MODEL, prompt="Echo me", max_tokens=4, echo=True, **GREEDY
+    )
+    assert echoed.choices[0].text == "Echo me" + plain.choices[0].text
+    streamed = client.completions.create(
+        model=MODEL, prompt="Echo me", max_tokens=4, echo=True, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_a_batch_of_prompts_is_one_family_per_prompt(live: Live, client: openai.OpenAI) -> None:
+    prompts = ["first prompt", "second"]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=5, **GREEDY).choices[0].text
+        for p in prompts
+    ]
+    out = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert out.usage.prompt_tokens == 13 + 7 and out.usage.completion_tokens == 20
+    ids = client.completions.create(model=MODEL, prompt=[[256, 104, 105], [256, 104]], max_tokens=2)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    wait_clean(live)
+
+
+def test_closing_a_batched_stream_cancels_every_prompt(live: Live) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": ["one long", "two long", "three"],
+        "n": 2,
+        "max_tokens": 3000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with live.client() as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            first = next(sse_events(response.iter_lines()))
+        parent = wait_status(http, first["id"])
+        assert parent["status"] == "cancelled" and parent["cancel_reason"] == "disconnect"
+        # Every request of the call ends cancelled: nothing is left running.
+        wait_clean(live)
+    cancelled = [r for r in live.audit().values() if r["cancel_reason"] == "disconnect"]
+    assert len(cancelled) == 6
