@@ -1,8 +1,8 @@
 """The `kvscope` command: `serve` (the main job), `generate` and `bench`.
 
-This module owns the argument parsing shared by every subcommand (model, device,
-dtype, backend, cache and scheduler limits) and `generate`; `serve` lives in
-`kvscope.web.serve` and `bench` in `kvscope.bench.cli`.
+This module owns the dispatch to the subcommands and `generate`; the engine options
+they share come from `kvscope.options` (derived from `EngineConfig`), `serve` lives
+in `kvscope.web.serve` and `bench` in `kvscope.bench.cli`.
 """
 
 from __future__ import annotations
@@ -10,75 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
 
 import anyio
-import attrs
 
-from kvscope.config import EngineConfig
-
-#: `EngineConfig` limits that `kvscope serve` and `generate` take as flags of the same
-#: name (defaults from `EngineConfig`, the one place they are set).
-LIMIT_SETTINGS = (
-    "max_request_depth",
-    "max_family_size",
-    "max_prompt_bytes",
-    "tokenize_in_thread_bytes",
-    "finished_history",
-    "finished_history_bytes",
-)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model and engine")
-    group.add_argument(
-        "--model", default="bundled", help="bundled | tiny-random | a Hugging Face checkpoint dir"
-    )
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    group.add_argument(
-        "--backend", default="asyncio", choices=["asyncio", "trio"], help="event loop"
-    )
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--kv-cache-tokens", type=int, default=65_536)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=64)
-    group.add_argument("--max-num-batched-tokens", type=int, default=512)
-    group.add_argument("--max-queued-requests", type=int, default=4096)
-    group.add_argument(
-        "--model-threads", type=int, default=None, help="torch threads for the model step"
-    )
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument(
-        "--seed", type=int, default=0, help="engine seed (random weights, unseeded sampling)"
-    )
-    group.add_argument("--log-level", default="INFO")
-    limits = parser.add_argument_group("limits on what a client controls (docs/security.md)")
-    defaults = EngineConfig()
-    for name in LIMIT_SETTINGS:
-        limits.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=getattr(defaults, name)
-        )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The `Engine.open` keyword arguments that `add_engine_arguments` parsed."""
-    config = EngineConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queued_requests=args.max_queued_requests,
-        model_threads=args.model_threads,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        audit_log=getattr(args, "audit_log", None),
-        **{name: getattr(args, name) for name in LIMIT_SETTINGS},
-    )
-    return {"model": args.model, "device": args.device, "dtype": args.dtype, **attrs.asdict(config)}
+from kvscope.options import add_engine_arguments, engine_kwargs
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     try:
         anyio.run(main, backend=args.backend)
-    except InvalidRequest as exc:
+    except (InvalidRequest, ValueError, TypeError) as exc:  # bad settings, ModelLoadError
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

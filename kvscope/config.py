@@ -66,6 +66,9 @@ class EngineConfig:
     audit_log: str | None = None
     #: Check the block pool's integrity whenever the step actor idles.
     debug: bool = False
+    #: Where the model's forward runs: "thread" (a worker thread of this process) or
+    #: "process" (a model worker process, so the event loop never shares a GIL with it).
+    worker: str = attrs.field(default="thread", validator=v.in_(("thread", "process")))
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import anyio
 import attrs
 import torch
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
@@ -45,6 +45,7 @@ from kvscope.kernels.device import select_device
 from kvscope.kernels.sampling import make_generator
 from kvscope.models.loader import LoadedModel, load_model
 from kvscope.models.runner import ModelRunner
+from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
 from kvscope.params import SamplingParams
 from kvscope.text import utf8_size
 
@@ -65,7 +66,13 @@ T = TypeVar("T")
 class Engine:
     """An open engine. Create it with `async with Engine.open(...) as engine`."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        device: torch.device,
+        worker: WorkerSpec | None = None,
+    ) -> None:
         self.loaded = loaded
         self.config = config
         self.device = device
@@ -109,9 +116,12 @@ class Engine:
             dtype=loaded.model.dtype,
             device=device,
         )
+        # The forward runs in a worker thread, or, given a spec, in a model worker process.
+        local = ModelRunner(loaded.model, self.kv_cache)
+        self.runner = local if worker is None else ProcessRunner(worker, local, config.max_num_seqs)
         self.step = StepActor(
             self.scheduler,
-            ModelRunner(loaded.model, self.kv_cache),
+            self.runner,
             self.pool,
             debug=config.debug,
             on_released=lambda seq: self._release(seq.owner),  # type: ignore[arg-type]
@@ -152,7 +162,11 @@ class Engine:
         loaded = await anyio.to_thread.run_sync(
             lambda: load_model(model, device=torch_device, dtype=dtype, seed=engine_config.seed)
         )
-        engine = cls(loaded, engine_config, torch_device)
+        worker = None
+        if engine_config.worker == "process":
+            threads = engine_config.model_threads
+            worker = WorkerSpec(model, str(torch_device), dtype, engine_config.seed, threads)
+        engine = cls(loaded, engine_config, torch_device, worker)
         log.info(
             "engine open model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
             loaded.name,
@@ -165,6 +179,8 @@ class Engine:
         try:
             async with anyio.create_task_group() as tg:
                 engine._tg = tg
+                if isinstance(engine.runner, ProcessRunner):
+                    await tg.start(run_worker, engine.runner)
                 await tg.start(engine.step.run)
                 try:
                     yield engine
@@ -348,6 +364,9 @@ class Engine:
             # Request tasks running now, counted by the tasks themselves as they enter
             # and leave (the step actor is not counted): 0 when nothing leaked.
             "tasks": self._request_tasks,
+            # The model worker process (0 and 0 with worker="thread").
+            "worker_pid": getattr(self.runner, "pid", None) or 0,
+            "worker_restarts": getattr(self.runner, "restarts", 0),
             # Ended requests kept for look-up by id, and about the bytes they hold.
             "history": self.registry.num_retained,
             "history_bytes": self.registry.retained_bytes,
@@ -665,6 +684,28 @@ class Engine:
     def sequence_of(self, request_id: str) -> Sequence | None:
         state = self.registry.get(request_id)
         return state.seq if state is not None else None
+
+
+async def run_worker(
+    runner: ProcessRunner, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """The model worker process as a task of the engine's group: the engine serves at
+    once (steps run in-process until a worker is ready); a worker that exits is
+    replaced; closing the group stops and reaps the worker."""
+    task_status.started()
+    try:
+        while True:
+            try:
+                await anyio.to_thread.run_sync(runner.start, abandon_on_cancel=True)
+            except WorkerDied as exc:
+                log.error("%s; steps run in-process", exc)
+                return
+            await anyio.to_thread.run_sync(runner.wait_exited, abandon_on_cancel=True)
+            runner.restarts += 1
+            log.warning("the model worker exited; starting a new one (restart %d)", runner.restarts)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(runner.stop)
 
 
 __all__ = ["Engine", "RequestStatus"]

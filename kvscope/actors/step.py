@@ -29,7 +29,8 @@ from anyio.abc import TaskStatus
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
 from kvscope.models.llama import StepAborted
-from kvscope.models.runner import ChunkInput, ModelRunner, StepControl, StepInput
+from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
+from kvscope.models.worker import ProcessRunner
 
 from .scheduler import ScheduledStep, Scheduler, Sequence
 
@@ -40,7 +41,7 @@ class StepActor:
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: ModelRunner,
+        runner: ModelRunner | ProcessRunner,
         pool: BlockPool,
         *,
         debug: bool = False,
@@ -51,7 +52,7 @@ class StepActor:
         self.runner = runner
         self.pool = pool
         self.debug = debug
-        self.control = StepControl(dropped=self._dropped_by_worker)
+        self.control = runner.new_control(self._dropped_by_worker)
         self._wakeup = anyio.Event()
         self._in_flight: list[Sequence] = []  # the running step's sequences, by chunk
         self._pins: list[list[int]] = []  # the blocks pinned for each of them

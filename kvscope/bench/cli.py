@@ -9,7 +9,7 @@ their subcommand runs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import sys
 
 #: Modules the benchmarks import that only the `bench` extra installs.
@@ -18,7 +18,13 @@ INSTALL_HINT = "pip install 'kvscope[bench]'"
 
 
 def missing_modules() -> list[str]:
-    return [name for name in BENCH_MODULES if importlib.util.find_spec(name) is None]
+    missing = []
+    for name in BENCH_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
 
 
 def main(argv: list[str]) -> int:

@@ -43,6 +43,11 @@ class KVCache:
         self.keys = [allocate() for _ in range(num_layers)]
         self.values = [allocate() for _ in range(num_layers)]
 
+    def share_memory(self) -> None:
+        """Move the K/V tensors to shared memory (for a model worker process)."""
+        for cache in (*self.keys, *self.values):
+            cache.share_memory_()
+
     @staticmethod
     def bytes_per_block(
         *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

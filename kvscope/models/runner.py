@@ -83,6 +83,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = model.device
 
+    def new_control(self, dropped: Callable[[list[int]], None]) -> StepControl:
+        """The control channel the step actor uses for this runner's steps."""
+        return StepControl(dropped)
+
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[int | None]:
         """Run one step; returns the sampled token of each chunk (None if it samples
         none or was dropped)."""

@@ -1,6 +1,6 @@
 """`GET /`: the live dashboard, a static page (`dashboard/index.html` and its script)
-that polls `/stats` and `/requests`, draws KV usage over time and tokens/s, and offers
-a cancel button per request. The page holds no data, so it needs no key; it asks for
+that polls `/stats` and `/requests`, draws KV usage over time with each cancel marked,
+shows tokens/s per live request and their sum, and offers a cancel button per request. The page holds no data, so it needs no key; it asks for
 one and sends it with its API calls when the server has keys.
 """
 

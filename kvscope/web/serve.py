@@ -2,26 +2,33 @@
 
 With no flags it serves the bundled model on 127.0.0.1:8000 on asyncio. Keys come
 from `--api-key` (repeatable), `KVSCOPE_API_KEY` (comma-separated) and a key file
-(`--api-key-file` or `KVSCOPE_API_KEY_FILE`; keys there stay out of `ps`). It prints where
-it listens and what it runs, and exits 0 after a graceful SIGINT/SIGTERM shutdown.
+(`--api-key-file` or `KVSCOPE_API_KEY_FILE`; keys there stay out of `ps`). Once it
+listens it prints where and what it runs, the dashboard's URL and a `curl` line that
+streams a completion (a newcomer's next step); it exits 0 after a graceful
+SIGINT/SIGTERM shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
 import anyio
 
-from kvscope.cli import add_engine_arguments, engine_kwargs
+from kvscope.options import add_engine_arguments, engine_kwargs
 
 from .server import Server
 from .settings import ServerSettings
 
 log = logging.getLogger("kvscope.web")
+
+#: The prompt of the printed `curl` line: code, which the bundled model does best.
+EXAMPLE_PROMPT = "def fibonacci(n):"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,9 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a file of bearer keys, one per line (# starts a comment); also KVSCOPE_API_KEY_FILE",
     )
     group.add_argument(
-        "--audit-log", default=None, metavar="PATH", help="append one JSON line per ended request"
-    )
-    group.add_argument(
         "--drain-timeout",
         type=float,
         default=0.0,
@@ -51,9 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
-    )
-    group.add_argument(
-        "--debug", action="store_true", help="check the block pool whenever the engine idles"
     )
     add_engine_arguments(parser)
 
@@ -94,15 +95,17 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    kwargs["debug"] = args.debug
     server = Server(settings, kwargs, handle_signals=True)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(server.run)
+            device = server.engine.device if server.engine else "?"
             print(
                 f"kvscope serving {args.model} on {server.url} "
-                f"(device {server.engine.device if server.engine else '?'}, backend {settings.backend})",
+                f"(device {device}, backend {settings.backend})",
+                *first_steps(server.url, with_key=bool(settings.api_keys)),
+                sep="\n",
                 flush=True,
             )
 
@@ -118,6 +121,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def first_steps(url: str, *, with_key: bool) -> list[str]:
+    """The lines after the listening line: the dashboard, and a completion to stream,
+    both at an address this machine's browser and curl can open."""
+    url = _local_url(url)
+    body = json.dumps({"prompt": EXAMPLE_PROMPT, "max_tokens": 64, "stream": True})
+    curl = f"curl -N {url}/v1/completions -H 'Content-Type: application/json'"
+    if with_key:  # the key itself is not printed: the shell fills it in
+        curl += ' -H "Authorization: Bearer $KVSCOPE_API_KEY"'
+    return [f"  dashboard: {url}/", f"  try:       {curl} -d {shlex.quote(body)}"]
+
+
+def _local_url(url: str) -> str:
+    """`url` with a wildcard host (every interface) replaced by loopback, which a
+    browser and curl on this machine can open."""
+    for wildcard, loopback in (("//0.0.0.0:", "//127.0.0.1:"), ("//[::]:", "//[::1]:")):
+        url = url.replace(wildcard, loopback)
+    return url
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -43,6 +43,7 @@ def test_stats_metrics_health(live: Live) -> None:
         "kvscope_queue_depth 0.0",
         "kvscope_event_loop_lag_seconds_count",
         "kvscope_step_forward_seconds_count",
+        "kvscope_worker_restarts_total 0.0",
     ):
         assert needle in text, needle
 

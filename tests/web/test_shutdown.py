@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,9 @@ class _Reader(threading.Thread):
                     self.started.set()
 
 
+@pytest.mark.parametrize("worker", ["thread", "process"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sigterm_with_streams_in_flight(backend: str, tmp_path: Path) -> None:
+def test_sigterm_with_streams_in_flight(backend: str, worker: str, tmp_path: Path) -> None:
     audit = tmp_path / "audit.jsonl"
     process = subprocess.Popen(
         [
@@ -101,6 +103,8 @@ def test_sigterm_with_streams_in_flight(backend: str, tmp_path: Path) -> None:
             "--num-kv-blocks",
             "1024",
             "--debug",
+            "--worker",
+            worker,
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -116,6 +120,7 @@ def test_sigterm_with_streams_in_flight(backend: str, tmp_path: Path) -> None:
             process.stderr.read() if process.poll() is not None and process.stderr else ""
         )
         url = match.group(0)
+        worker_pid = _wait_for_worker(url) if worker == "process" else None
         readers = [_Reader(kind, url) for kind in ("sse", "sse", "openai", "ws")]
         for reader in readers:
             reader.start()
@@ -149,3 +154,16 @@ def test_sigterm_with_streams_in_flight(backend: str, tmp_path: Path) -> None:
         record = records[reader.request_id]
         assert record["finish_reason"] == "cancelled" and record["cancel_reason"] == "shutdown"
     assert "KV blocks still in use" not in stderr
+    if worker_pid is not None:  # stopped and reaped by the server: no orphan
+        assert not Path(f"/proc/{worker_pid}").exists()
+
+
+def _wait_for_worker(url: str) -> int:
+    """The model worker's pid, once it is ready (it serves in-process until then)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pid = httpx.get(url + "/stats").json()["worker_pid"]
+        if pid:
+            return int(pid)
+        time.sleep(0.05)
+    raise AssertionError("the model worker did not start in 120 s")

@@ -1,0 +1,292 @@
+"""The model worker process: the forward runs in its own process, so the event loop
+never shares a GIL with the model (vLLM v1 splits its API server from its engine core
+the same way; DESIGN section 1, "where the forward runs").
+
+`ProcessRunner` has `ModelRunner`'s interface (`execute(step, control)`,
+`new_control(dropped)`), so the step actor does not know which one it drives; it still
+calls `execute` from a worker thread, which here only waits on a pipe.
+
+What is shared, and how:
+
+* the K/V cache is in shared memory, allocated by the engine and mapped by the worker;
+  it outlives a worker, so a restarted one finds every cached block intact;
+* the step's control block is one shared byte for "abort" and one per chunk for
+  "cancelled": the loop writes them (`SharedStepControl`) and the worker's checkpoints
+  read them, with no message in between;
+* per step the parent sends the frozen `StepInput` (the chunks' `torch.Generator`s go
+  pickled with their state) and receives, in order: a `("dropped", chunks)` note for
+  each checkpoint that left cancelled rows out (so their blocks are released at once),
+  then `("done", tokens, generator states)`, `("aborted",)` or `("error", text)`.
+
+If the worker dies, the step in flight fails with `WorkerDied` (its requests end with
+an error; the step actor releases their blocks), and the next step starts a new worker
+(`restarts` counts them). A worker that died between steps is replaced before the next
+step, which then runs normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import torch.multiprocessing
+
+from kvscope.cache.kv_cache import KVCache
+
+from .llama import StepAborted
+from .runner import ModelRunner, StepControl, StepInput
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait for the step in flight before a stopping worker is killed.
+STOP_TIMEOUT = 5.0
+
+
+class WorkerDied(RuntimeError):
+    """The model worker process exited while a step needed it."""
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What the worker needs to load the same model as the engine."""
+
+    model: str
+    device: str
+    dtype: str
+    seed: int
+    threads: int | None
+
+
+class SharedFlag:
+    """A `threading.Event`-like flag in one byte of shared memory."""
+
+    def __init__(self, flags: np.ndarray, index: int) -> None:
+        self._flags = flags
+        self._index = index
+
+    def set(self) -> None:
+        self._flags[self._index] = 1
+
+    def clear(self) -> None:
+        self._flags[self._index] = 0
+
+    def is_set(self) -> bool:
+        return bool(self._flags[self._index])
+
+
+class SharedStepControl(StepControl):
+    """(parent) A `StepControl` whose abort flag and cancelled chunks are also written
+    to the shared control block the worker reads."""
+
+    def __init__(self, flags: np.ndarray, dropped: Callable[[list[int]], None]) -> None:
+        super().__init__(dropped)
+        self._flags = flags
+        self.abort = SharedFlag(flags, 0)  # type: ignore[assignment]
+
+    def reset(self) -> None:
+        super().reset()
+        self._flags[:] = 0
+
+    def cancel(self, chunk: int) -> None:
+        super().cancel(chunk)
+        self._flags[chunk + 1] = 1
+
+
+class _WorkerControl:
+    """(worker) What the runner's checkpoints read: the shared control block."""
+
+    def __init__(self, flags: np.ndarray, conn: Connection) -> None:
+        self.abort = SharedFlag(flags, 0)
+        self._chunks = flags[1:]
+        self._taken: set[int] = set()
+        self._conn = conn
+
+    def reset(self) -> None:
+        self._taken.clear()
+
+    def take_cancelled(self) -> set[int]:
+        if not self._chunks.any():
+            return set()
+        marked = set(np.flatnonzero(self._chunks).tolist()) - self._taken
+        self._taken |= marked
+        return marked
+
+    def dropped(self, chunks: list[int]) -> None:
+        self._conn.send(("dropped", chunks))
+
+
+def worker_main(conn: Connection, spec: WorkerSpec, kv_cache: KVCache, flags: torch.Tensor) -> None:
+    """The worker process: load the model, then run steps until told to stop (None) or
+    the parent is gone."""
+    import tqdm
+
+    from .loader import load_model
+
+    # tqdm's default lock is a multiprocessing semaphore, which a killed worker would
+    # leave registered with the resource tracker; a thread lock is all it needs here.
+    tqdm.tqdm.set_lock(threading.RLock())
+    try:
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        loaded = load_model(
+            spec.model, device=torch.device(spec.device), dtype=spec.dtype, seed=spec.seed
+        )
+        runner = ModelRunner(loaded.model, kv_cache)
+        control = _WorkerControl(flags.numpy(), conn)
+    except Exception as exc:
+        conn.send(("failed", f"{exc!r}"))
+        return
+    conn.send(("ready", os.getpid()))
+    try:
+        while (step := conn.recv()) is not None:
+            control.reset()
+            try:
+                tokens = runner.execute(step, control)  # type: ignore[arg-type]
+            except StepAborted:
+                conn.send(("aborted",))
+                continue
+            except Exception as exc:
+                conn.send(("error", f"{exc!r}"))
+                continue
+            states = [c.generator.get_state() if c.generator else None for c in step.chunks]
+            conn.send(("done", tokens, states))
+    except (EOFError, OSError):
+        pass  # the parent is gone: nothing to serve
+
+
+class ProcessRunner:
+    """(parent) Runs each step in the model worker process; see the module docstring.
+
+    Until a worker is ready (at start-up, and after one died) steps run on `local`, an
+    in-thread `ModelRunner` over the same shared K/V cache, so the engine serves at
+    once and never waits for a worker to boot. `run_worker` (in the engine's task
+    group) starts workers and notices when one exits.
+    """
+
+    def __init__(self, spec: WorkerSpec, local: ModelRunner, max_chunks: int) -> None:
+        self.spec = spec
+        self.local = local
+        local.kv_cache.share_memory()
+        self._flags = torch.zeros(max_chunks + 1, dtype=torch.uint8).share_memory_()
+        self._context = torch.multiprocessing.get_context("spawn")
+        self._process: Any = None  # the ready worker, or None
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()  # guards the two above; held for a whole step
+        self._stopping = False
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The ready worker's pid (None while steps run in this process)."""
+        process = self._process
+        return process.pid if process is not None and self._conn is not None else None
+
+    def new_control(self, dropped: Callable[[list[int]], None]) -> StepControl:
+        return SharedStepControl(self._flags.numpy(), dropped)
+
+    def execute(self, step: StepInput, control: StepControl | None = None) -> list[int | None]:
+        with self._lock:
+            if self._conn is None:
+                return self.local.execute(step, control)
+            try:
+                self._conn.send(step)
+                return self._receive(step, control)
+            except (EOFError, OSError) as exc:
+                pid, code = self._process.pid, self._drop_worker(1.0)
+                raise WorkerDied(
+                    f"the model worker (pid {pid}) died mid-step (exit code {code})"
+                ) from exc
+
+    def start(self) -> None:
+        """(blocking) Start a worker and, once its model is loaded, send it the steps."""
+        started = time.perf_counter()
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=worker_main,
+            args=(child, self.spec, self.local.kv_cache, self._flags),
+            name="kvscope-model-worker",
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        try:
+            message = parent.recv()
+        except EOFError:
+            message = ("failed", "it exited while loading the model")
+        with self._lock:
+            if message[0] != "ready" or self._stopping:
+                parent.close()
+                _reap(process, 0.0 if self._stopping else 1.0)
+                if self._stopping:
+                    return
+                raise WorkerDied(f"the model worker failed to start: {message[1]}")
+            self._process, self._conn = process, parent
+        log.info("model worker pid %d ready in %.1f s", process.pid, time.perf_counter() - started)
+
+    def wait_exited(self) -> None:
+        """(blocking) Return when the current worker has exited."""
+        process = self._process
+        if process is not None:
+            process.join()
+        with self._lock:
+            if self._process is process and process is not None:
+                self._drop_worker(0.0)
+
+    def stop(self) -> None:
+        """(blocking) Let the step in flight end, then stop the worker and reap it."""
+        self._stopping = True
+        locked = self._lock.acquire(timeout=STOP_TIMEOUT)
+        try:
+            if self._conn is not None:
+                try:
+                    self._conn.send(None)
+                except OSError:
+                    pass
+            self._drop_worker(STOP_TIMEOUT if locked else 0.0)
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _receive(self, step: StepInput, control: StepControl | None) -> list[int | None]:
+        assert self._conn is not None
+        while True:
+            message = self._conn.recv()
+            kind = message[0]
+            if kind == "dropped":
+                if control is not None:
+                    control.dropped(message[1])
+            elif kind == "done":
+                _, tokens, states = message
+                for chunk, state in zip(step.chunks, states, strict=True):
+                    if chunk.generator is not None and state is not None:
+                        chunk.generator.set_state(state)  # as if it had drawn here
+                return tokens
+            elif kind == "aborted":
+                raise StepAborted
+            else:
+                raise RuntimeError(f"model worker: {message[1]}")
+
+    def _drop_worker(self, timeout: float) -> int | None:
+        """Forget the worker (steps run locally again) and reap it; its exit code."""
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if conn is not None:
+            conn.close()
+        return _reap(process, timeout) if process is not None else None
+
+
+def _reap(process: Any, timeout: float) -> int | None:
+    """Wait up to `timeout` s for `process` to exit, kill it if it has not; its exit code."""
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    return process.exitcode

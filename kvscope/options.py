@@ -1,0 +1,82 @@
+"""Command-line options derived from `EngineConfig`, for every command that opens an
+engine (`kvscope serve`, `kvscope generate`).
+
+Each field of `EngineConfig` becomes one option (`max_num_seqs` -> `--max-num-seqs`)
+with the field's default and its `#:` comment as the help, so a setting, its default
+and its description are written once, on the config class. Validation stays there too:
+`engine_kwargs` builds the `EngineConfig`, which raises a `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import types
+import typing
+from typing import Any
+
+import attrs
+
+from kvscope.config import EngineConfig
+
+#: Fields the model-loading options cover, besides the `EngineConfig` ones.
+MODEL_OPTIONS = ("model", "device", "dtype")
+
+
+def field_help() -> dict[str, str]:
+    """Each field's `#:` comment in `EngineConfig`'s source (what the docs show too)."""
+    helps: dict[str, str] = {}
+    comment: list[str] = []
+    for line in inspect.getsource(EngineConfig).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            comment.append(stripped[2:].strip())
+        elif match := re.match(r"(\w+)\s*:", stripped):
+            if comment:
+                helps[match.group(1)] = " ".join(comment)
+            comment = []
+        else:
+            comment = []
+    return helps
+
+
+def _value_type(annotation: Any) -> type:
+    """`int | None` -> int; `float` -> float."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return args[0]
+    return annotation
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and engine")
+    group.add_argument(
+        "--model", default="bundled", help="bundled | tiny-random | a Hugging Face checkpoint dir"
+    )
+    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    group.add_argument(
+        "--backend", default="asyncio", choices=["asyncio", "trio"], help="event loop"
+    )
+    group.add_argument("--log-level", default="INFO")
+    helps = field_help()
+    hints = typing.get_type_hints(EngineConfig)
+    for field in attrs.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = _value_type(hints[field.name])
+        help_text = helps.get(field.name, "")
+        if kind is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
+            )
+        else:
+            shown = "" if field.default is None else " (default: %(default)s)"
+            group.add_argument(flag, type=kind, default=field.default, help=help_text + shown)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `Engine.open` keyword arguments that `add_engine_arguments` parsed; a bad
+    value raises `ValueError` naming the field."""
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in attrs.fields(EngineConfig)})
+    return {name: getattr(args, name) for name in MODEL_OPTIONS} | attrs.asdict(config)

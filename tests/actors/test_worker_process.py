@@ -1,0 +1,110 @@
+"""The model worker process (`worker="process"`): the same tokens as the in-thread
+runner, cancellation that frees blocks, a worker killed with SIGKILL (its step's
+requests fail with a clear error, nothing leaks, a new worker serves the next request),
+and an engine closed mid-step (the worker is stopped and reaped). Runs on asyncio and
+trio."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kvscope import Engine
+from tests.conftest import audit_lines, open_engine, wait_for
+
+pytestmark = pytest.mark.anyio
+
+LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+#: Seconds a worker may take to boot on a loaded 2-core machine (python, torch, model).
+BOOT = 120
+
+
+async def worker_ready(engine: Engine) -> int:
+    await wait_for(lambda: engine.stats()["worker_pid"] > 0, timeout=BOOT, what="worker ready")
+    return engine.stats()["worker_pid"]
+
+
+def gone(pid: int) -> bool:
+    """The process has exited and was reaped (no zombie left behind)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+async def outputs(engine: Engine) -> list[tuple[int, ...]]:
+    greedy = await engine.generate("the same prompt", max_tokens=24, temperature=0)
+    seeded = await engine.generate("the same prompt", max_tokens=24, temperature=1.0, seed=11)
+    unseeded = await engine.generate("another prompt", max_tokens=24, temperature=0.8)
+    return [greedy.token_ids, seeded.token_ids, unseeded.token_ids]
+
+
+async def test_the_worker_gives_the_same_tokens_as_the_thread():
+    async with open_engine(seed=3) as engine:
+        expected = await outputs(engine)
+    async with open_engine(worker="process", seed=3) as engine:
+        pid = await worker_ready(engine)
+        assert await outputs(engine) == expected
+        assert engine.stats()["worker_pid"] == pid  # every step ran in that worker
+    assert gone(pid)
+
+
+async def test_the_engine_serves_before_the_worker_is_ready():
+    async with open_engine(worker="process") as engine:
+        # No wait for the worker: steps run in-process until it is ready.
+        done = await engine.generate("at once", max_tokens=4, temperature=0)
+        assert done.finish_reason == "length"
+        await worker_ready(engine)
+
+
+async def test_cancel_in_the_worker_releases_the_blocks():
+    async with open_engine(worker="process") as engine:
+        await worker_ready(engine)
+        survivor = await engine.submit("survivor", max_tokens=40, ignore_eos=True, temperature=0)
+        job = await engine.submit("cancel me", **LONG)
+        await wait_for(lambda: len(job.info().token_ids) >= 3)
+        report = await engine.cancel(job.id)
+        assert report.status == "running" and report.blocks_released >= 1
+        assert len(audit_lines(engine, job.id)) == 1
+        assert (await survivor.wait()).finish_reason == "length"
+        assert engine.stats()["kv_blocks_in_use"] == 0
+
+
+async def test_a_killed_worker_fails_its_step_and_is_replaced():
+    async with open_engine(worker="process") as engine:
+        pid = await worker_ready(engine)
+        job = await engine.submit("long", **LONG)
+        await wait_for(lambda: len(job.info().token_ids) >= 2)
+        os.kill(pid, signal.SIGKILL)
+        with anyio.fail_after(BOOT):
+            result = await job.wait()
+        # Killed mid-step (nearly always): the request fails and says why. Should the
+        # kill land between two steps and be noticed first, the step runs in-process.
+        if result.finish_reason == "error":
+            assert result.error is not None and "model worker" in result.error
+            assert f"pid {pid}" in result.error
+        else:
+            assert result.finish_reason == "length"
+        assert engine.stats()["kv_blocks_in_use"] == 0
+        assert len(audit_lines(engine, job.id)) == 1
+        # A new worker comes up and serves; meanwhile steps run in-process.
+        after = await engine.generate("after", max_tokens=8, temperature=0)
+        assert after.finish_reason == "length"
+        new_pid = await worker_ready(engine)
+        assert new_pid != pid and engine.stats()["worker_restarts"] == 1
+        assert (await engine.generate("again", max_tokens=8)).finish_reason in ("length", "stop")
+        assert gone(pid)
+    assert gone(new_pid)
+
+
+async def test_closing_the_engine_mid_step_stops_the_worker():
+    async with open_engine(worker="process") as engine:
+        pid = await worker_ready(engine)
+        jobs = [await engine.submit(f"long {i}", **LONG) for i in range(3)]
+        await wait_for(lambda: all(len(j.info().token_ids) >= 2 for j in jobs))
+    # open_engine checked that no block, request or task is left; the worker is reaped.
+    assert gone(pid)
+    for job in jobs:
+        info = job.info()
+        assert info.finish_reason == "cancelled" and info.cancel_reason == "shutdown"
