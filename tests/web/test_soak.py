@@ -306,19 +306,32 @@ host, port = sys.argv[1], int(sys.argv[2])
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 samples = []
-with socket.create_connection((host, port), timeout=10) as sock:
+
+def connect():
+    sock = socket.create_connection((host, port), timeout=10)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    reader = sock.makefile("rb")
-    while not stop.is_set():
-        started = time.perf_counter()
+    return sock, sock.makefile("rb")
+
+sock, reader = connect()
+while not stop.is_set():
+    started = time.perf_counter()
+    try:
         sock.sendall(b"GET /health HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
-        length = 0
-        while (line := reader.readline()) not in (b"\\r\\n", b""):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        reader.read(length)
-        samples.append((time.time(), (time.perf_counter() - started) * 1000))
-        stop.wait(0.01)
+        status = reader.readline()
+        if not status:
+            raise ConnectionError("closed")
+    except (ConnectionError, OSError):  # hypercorn closes a connection after 1000 requests
+        sock.close()
+        sock, reader = connect()
+        continue
+    length = 0
+    while (line := reader.readline()) not in (b"\\r\\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    reader.read(length)
+    samples.append((time.time(), (time.perf_counter() - started) * 1000))
+    stop.wait(0.01)
+sock.close()
 print(json.dumps(samples))
 """
 
