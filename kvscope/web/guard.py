@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
+import trio
+
 from .auth import is_public, key_of
 from .errors import ApiError, error_body
 from .settings import ServerSettings
@@ -55,6 +58,13 @@ class BodyGuard:
         return None
 
 
+#: What sending raises once the client has gone. hypercorn on trio passes trio's own,
+#: and when a client hangs up mid-body hypercorn answers that with its own 400 on the
+#: same socket, so our send finds the socket busy.
+_GONE = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
+_GONE += (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError)
+
+
 async def _send_error(send: Any, path: str, error: ApiError) -> None:
     body = json.dumps(
         error_body(error.message, error.type, openai=path.startswith("/v1/"))
@@ -65,5 +75,8 @@ async def _send_error(send: Any, path: str, error: ApiError) -> None:
         (b"connection", b"close"),  # the body was not read: do not reuse the connection
         *((name.lower().encode(), value.encode()) for name, value in error.headers.items()),
     ]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    try:
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    except _GONE:
+        pass  # the client hung up before hearing the refusal: nothing left to do
