@@ -24,7 +24,7 @@ from kvscope import Job, merge_streams
 from .auth import current_owner
 from .bodies import read_body
 from .chat import chat_prompt
-from .context import ServerContext, server
+from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
 from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
 from .sse import StreamBody, sse_response
@@ -115,7 +115,7 @@ async def _complete(
         results = [await job.wait() for job in jobs]
     finally:
         if not all(job.done for job in jobs):
-            _cancel_all(ctx, jobs, "disconnect")
+            _cancel_all(ctx, jobs, disconnect_reason())
     choices = []
     for index, result in enumerate(results):
         choice: dict[str, Any] = {
