@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, Protocol
 
 import anyio
@@ -46,6 +47,8 @@ log = logging.getLogger("kvscope.replicas")
 
 #: Serve's per-call timeout header (it overrides `request_timeout_s`; <= 0 disables).
 TIMEOUT_HEADER = b"x-request-timeout-seconds"
+#: Marks a call one replica forwarded to another (never forwarded again).
+FORWARDED_HEADER = b"x-kvscope-forwarded"
 #: How early, at most, a cut call counts as timed out (see `__call__`).
 TIMEOUT_SLACK = 0.25
 
@@ -170,7 +173,8 @@ class ReplicaApp:
                 await _replay(answer["messages"], send)
             else:
                 stats = json.loads(answer["body"])
-                await _json(send, 200, {**stats, "replica": self.replica, "pid": os.getpid()})
+                stats.update(replica=self.replica, pid=os.getpid())
+                await _json(self._tagged(send), 200, stats)
             return True
         if method == "POST" and path == "/generate":
             return await self._forward_to_parent(scope, receive, send)
@@ -206,11 +210,17 @@ class ReplicaApp:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         owner = _parent_owner(body)
-        if owner is None or owner == self.replica:
+        forwarded = any(k.lower() == FORWARDED_HEADER for k, _ in scope.get("headers", ()))
+        # A forwarded call runs here even if this is not (or no longer) the owner: the
+        # engine then answers 404 for the parent, and nothing is forwarded twice.
+        if owner is None or owner == self.replica or forwarded:
             await self._app(scope, _replay_body(body, receive), self._tagged(send))
             return True
-        async for message in self.peers.forward(owner, scope, body):
-            await send(message)
+        # Closed in this task however the loop ends: a cancelled call (the client went
+        # away) closes the forward's connection, which the owner sees as a disconnect.
+        async with aclosing(self.peers.forward(owner, scope, body)) as messages:
+            async for message in messages:
+                await send(message)
         return True
 
     def _tagged(self, send: Send) -> Send:

@@ -10,6 +10,7 @@ CPUs and no dashboard. `--port 0` picks a free port before Serve's proxy binds i
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -31,6 +32,7 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
         print("error: --replicas needs Ray Serve: pip install 'kvscope[ray]'", file=sys.stderr)
         return 2
     from .deployment import build_app
+    from .proxy import CALLBACK_ENV, CALLBACK_PATH
 
     if settings.backend != "asyncio":
         print("error: Ray Serve replicas run on asyncio; drop --backend trio", file=sys.stderr)
@@ -39,6 +41,9 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    # Serve's proxy reads this when it starts (in a process that inherits it from
+    # the local Ray started below; on a cluster, set it on every node's Ray).
+    os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
     if args.ray_address:
         ray.init(address=args.ray_address, include_dashboard=False)
     else:

@@ -23,7 +23,7 @@ from ray.serve.config import RequestRouterConfig
 
 from kvscope.web.settings import ServerSettings
 
-from .asgi import Message, ReplicaApp
+from .asgi import FORWARDED_HEADER, Message, ReplicaApp
 from .ids import REPLICA_HEADER, id_prefix
 from .router import OwnerRouter
 
@@ -46,42 +46,43 @@ class ProxyPeers:
     def __init__(self, proxy_url: str, world_size: int) -> None:
         self._url = proxy_url
         self._world_size = world_size
-        self._client: httpx.AsyncClient | None = None
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            timeout = httpx.Timeout(PEER_TIMEOUT, read=None)
-            self._client = httpx.AsyncClient(base_url=self._url, timeout=timeout)
-        return self._client
+    def _client(self) -> httpx.AsyncClient:
+        # A client per call: a shared pool left a connection slot stuck after a
+        # cancelled call (httpx.PoolTimeout seen), and a local connect costs ~1 ms.
+        return httpx.AsyncClient(base_url=self._url, timeout=httpx.Timeout(PEER_TIMEOUT, read=None))
 
     async def each(self, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, bytes]:
         answers: dict[str, bytes] = {}
 
-        async def ask(index: int) -> None:
+        async def ask(client: httpx.AsyncClient, index: int) -> None:
             with anyio.move_on_after(PEER_TIMEOUT):
                 try:
-                    response = await self._http().get(
+                    response = await client.get(
                         path, params={"replica": f"@{index}"}, headers=headers
                     )
                 except httpx.HTTPError as exc:  # a replica dying meanwhile: leave it out
                     log.warning("replica @%d did not answer %s: %r", index, path, exc)
                     return
-                if response.status_code == 200:
-                    answers[response.headers[REPLICA_HEADER]] = response.content
+                replica = response.headers.get(REPLICA_HEADER)
+                if response.status_code == 200 and replica:
+                    answers[replica] = response.content
 
-        async with anyio.create_task_group() as tg:
+        async with self._client() as client, anyio.create_task_group() as tg:
             for index in range(self._world_size):
-                tg.start_soon(ask, index)
+                tg.start_soon(ask, client, index)
         return answers
 
     async def forward(self, replica: str, scope: Message, body: bytes) -> AsyncIterator[Message]:
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP]
-        headers.append((REPLICA_HEADER.encode(), replica.encode()))
-        request = self._http().build_request(
-            scope["method"], scope["path"], headers=headers, content=body
-        )
-        response = await self._http().send(request, stream=True)
-        try:
+        # The caller's own routing header would send the call back here.
+        drop = _HOP_BY_HOP | {REPLICA_HEADER.encode()}
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
+        headers += [(REPLICA_HEADER.encode(), replica.encode()), (FORWARDED_HEADER, b"1")]
+        path = scope["path"]
+        async with (
+            self._client() as client,
+            client.stream(scope["method"], path, headers=headers, content=body) as response,
+        ):
             first_id = True
             kept = []
             for name, value in response.headers.raw:
@@ -96,10 +97,6 @@ class ProxyPeers:
             async for chunk in response.aiter_raw():
                 yield {"type": "http.response.body", "body": chunk, "more_body": True}
             yield {"type": "http.response.body", "body": b"", "more_body": False}
-        finally:
-            # Closing the connection is the caller's disconnect, as the owner sees it.
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
 
 
 _HOP_BY_HOP = {
