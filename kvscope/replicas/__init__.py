@@ -18,6 +18,16 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the extra
     raise ImportError("kvscope.replicas needs Ray Serve: pip install 'kvscope[ray]'") from exc
 
-from .deployment import DEPLOYMENT, KvscopeReplica, app_builder, build_app
+from typing import Any
 
 __all__ = ["DEPLOYMENT", "KvscopeReplica", "app_builder", "build_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: Serve's proxy imports `kvscope.replicas.router` and `.proxy` only, and
+    # need not load the web app with them.
+    if name in __all__:
+        from . import deployment
+
+        return getattr(deployment, name)
+    raise AttributeError(name)

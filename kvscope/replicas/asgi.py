@@ -14,8 +14,9 @@ What it adds in front of the Quart app, knowing it is one of several replicas:
 * an id in the path (`/requests/{id}`) that another replica generated reaches this one
   only when that replica is gone (the router sends every other one to its owner), so it
   answers 404 saying so, instead of the plain "no request";
-* `/stats` and `/metrics` gather every replica's figures (`peers`), labelled by
-  replica; `?replica=<name>` (or the `X-Kvscope-Replica` header) reads one replica;
+* `/stats`, `/metrics` and `GET /requests` gather every replica's own (`peers`),
+  labelled by replica; `?replica=<name>` (or the `X-Kvscope-Replica` header) reads
+  one replica;
 * a body that names a `parent` on another replica is forwarded to that replica
   (`peers.forward`), so children start inside their parent's scope there;
 * the kvscope id is repeated in `X-Kvscope-Request-Id`, because Ray Serve's proxy
@@ -47,6 +48,8 @@ log = logging.getLogger("kvscope.replicas")
 
 #: Serve's per-call timeout header (it overrides `request_timeout_s`; <= 0 disables).
 TIMEOUT_HEADER = b"x-request-timeout-seconds"
+#: The routes whose answer gathers every replica's own (unless one is named).
+GATHERED = ("/stats", "/metrics", "/requests")
 #: Marks a call one replica forwarded to another (never forwarded again).
 FORWARDED_HEADER = b"x-kvscope-forwarded"
 #: How early, at most, a cut call counts as timed out (see `__call__`).
@@ -164,7 +167,7 @@ class ReplicaApp:
             )
             await _json(send, 404, _error(message, "not_found_error"))
             return True
-        if method == "GET" and path in ("/stats", "/metrics") and target is None:
+        if method == "GET" and path in GATHERED and target is None:
             await self._aggregate(path, scope, receive, send)
             return True
         if method == "GET" and path == "/stats":  # this replica's own, named
@@ -190,6 +193,9 @@ class ReplicaApp:
         bodies = await self.peers.each(path, auth)
         if path == "/stats":
             await _json(send, 200, merge_stats({r: json.loads(b) for r, b in bodies.items()}))
+        elif path == "/requests":
+            live = [item for body in bodies.values() for item in json.loads(body)["requests"]]
+            await _json(send, 200, {"requests": live})
         else:
             text = merge_metrics({r: b.decode() for r, b in bodies.items()})
             await send(

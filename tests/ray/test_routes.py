@@ -40,6 +40,8 @@ def test_ids_name_their_replica_and_every_call_reaches_it(live: Cluster) -> None
             assert owner in live.replicas()
             owners[job.json()["id"]] = owner
             assert len(owners) < 20, "the router sent every job to one replica"
+        listed = {r["id"] for r in client.get("/requests").json()["requests"]}
+        assert set(owners) <= listed  # gathered from both replicas
         for request_id, owner in owners.items():
             info = client.get(f"/requests/{request_id}")
             assert info.status_code == 200, info.text
