@@ -20,11 +20,14 @@ What it adds in front of the Quart app, knowing it is one of several replicas:
 * a body that names a `parent` on another replica is forwarded to that replica
   (`peers.forward`), so children start inside their parent's scope there;
 * the kvscope id is repeated in `X-Kvscope-Request-Id`, because Ray Serve's proxy
-  appends its own value to `X-Request-Id`.
+  appends its own value to `X-Request-Id`;
+* Serve's cancellation of a call becomes the disconnect message Quart expects
+  (`_call_app`). This module is asyncio-only, as Ray Serve is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -52,6 +55,8 @@ TIMEOUT_HEADER = b"x-request-timeout-seconds"
 GATHERED = ("/stats", "/metrics", "/requests")
 #: Marks a call one replica forwarded to another (never forwarded again).
 FORWARDED_HEADER = b"x-kvscope-forwarded"
+#: How long a call cut by Serve may take to close (its final cleanup is synchronous).
+DISCONNECT_GRACE = 5.0
 #: How early, at most, a cut call counts as timed out (see `__call__`).
 TIMEOUT_SLACK = 0.25
 
@@ -107,7 +112,49 @@ class ReplicaApp:
             if await self._answer_here(scope, receive, send):
                 return
             send = self._tagged(send)
-        await self._app(scope, receive, send)
+        await self._call_app(scope, receive, send)
+
+    async def _call_app(self, scope: Message, receive: Receive, send: Send) -> None:
+        """Run the Quart app on one call, turning Serve's cancellation into a disconnect.
+
+        Serve cancels the replica's task when the client went away or its timeout
+        passed. Quart's ASGI connection, cancelled while it waits for its handler,
+        leaves that handler running (it reacts to a `disconnect` message, which is
+        what hypercorn sends, not to being cancelled): a stream would run on for
+        nobody. So the app runs in a task of its own, shielded; on cancellation its
+        `receive` answers the disconnect, Quart ends the handler (the stream body's
+        `finally` cancels the request), and the app is waited for, briefly.
+        """
+        cut = asyncio.Event()
+        disconnect: Message = {
+            "type": "websocket.disconnect" if scope["type"] == "websocket" else "http.disconnect",
+            "code": 1006,
+        }
+
+        async def receive_or_cut() -> Message:
+            if cut.is_set():
+                return disconnect
+            message = asyncio.ensure_future(receive())
+            waiter = asyncio.ensure_future(cut.wait())
+            await asyncio.wait([message, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if message.done():
+                return message.result()
+            message.cancel()
+            return disconnect
+
+        call = asyncio.ensure_future(self._app(scope, receive_or_cut, send))
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            cut.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(call), DISCONNECT_GRACE)
+            except (TimeoutError, asyncio.CancelledError):
+                call.cancel()
+            except Exception:  # the app's own failure, now nobody's to answer
+                log.exception("a call cut by Serve failed while closing")
+            raise
 
     # -- the lifespan ------------------------------------------------------------------------
 
@@ -220,7 +267,7 @@ class ReplicaApp:
         # A forwarded call runs here even if this is not (or no longer) the owner: the
         # engine then answers 404 for the parent, and nothing is forwarded twice.
         if owner is None or owner == self.replica or forwarded:
-            await self._app(scope, _replay_body(body, receive), self._tagged(send))
+            await self._call_app(scope, _replay_body(body, receive), self._tagged(send))
             return True
         # Closed in this task however the loop ends: a cancelled call (the client went
         # away) closes the forward's connection, which the owner sees as a disconnect.
