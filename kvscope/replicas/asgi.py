@@ -99,7 +99,7 @@ class ReplicaApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        if self._app is None:  # Serve routes nothing before startup; a late call
+        if self._app is None:  # a call after the lifespan ended (Serve routes none before)
             await _json(send, 503, _error("the replica is not serving", "unavailable_error"))
             return
         timeout = _timeout(scope.get("headers", ()), self.request_timeout)
