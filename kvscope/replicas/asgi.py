@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Protocol
 
@@ -72,7 +72,7 @@ class Peers(Protocol):
         """Replica name -> the body of its own `GET path`, for every replica that answers."""
         ...
 
-    def forward(self, replica: str, scope: Message, body: bytes) -> AsyncIterator[Message]:
+    def forward(self, replica: str, scope: Message, body: bytes) -> AsyncGenerator[Message, None]:
         """Make the HTTP call (`scope`, `body`) on `replica`; its ASGI messages as they come."""
         ...
 

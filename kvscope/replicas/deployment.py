@@ -13,7 +13,7 @@ replica is one more hop.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
@@ -73,7 +73,9 @@ class ProxyPeers:
                 tg.start_soon(ask, client, index)
         return answers
 
-    async def forward(self, replica: str, scope: Message, body: bytes) -> AsyncIterator[Message]:
+    async def forward(
+        self, replica: str, scope: Message, body: bytes
+    ) -> AsyncGenerator[Message, None]:
         # The caller's own routing header would send the call back here.
         drop = _HOP_BY_HOP | {REPLICA_HEADER.encode()}
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
@@ -115,7 +117,7 @@ class KvscopeReplica:
     """One replica: its engine and its app live as long as the replica (the ASGI
     lifespan that Serve runs); see `ReplicaApp`."""
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         engine_kwargs: dict[str, Any],
         settings: dict[str, Any],
@@ -151,19 +153,19 @@ def build_app(
     at that deadline is cancelled with reason `timeout`."""
     settings = dict(settings or {})
     ServerSettings(**settings)  # validate here, not in every replica
-    deployment = serve.deployment(KvscopeReplica).options(
+    deployment = serve.deployment(
         name=DEPLOYMENT,
         num_replicas=replicas,
         # Streams are long and cheap to hold: only the engine's own queue limits them.
         max_ongoing_requests=10_000,
         max_queued_requests=-1,
         ray_actor_options={"num_cpus": cpus_per_replica},
-        request_router_config=RequestRouterConfig(request_router_class=OwnerRouter),
+        request_router_config=RequestRouterConfig(request_router_class=OwnerRouter),  # type: ignore[arg-type]
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         # A replica dying fails its health check; Serve starts a new one.
         health_check_period_s=2.0,
         health_check_timeout_s=10.0,
-    )
+    )(KvscopeReplica)
     return deployment.bind(dict(engine_kwargs or {}), settings, proxy_url, request_timeout_s)
 
 
