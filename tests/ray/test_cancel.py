@@ -9,9 +9,11 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from kvscope.replicas.ids import owner_of
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
 
-from .conftest import LONG, Cluster, wait_for
+from kvscope.replicas.ids import owner_of  # noqa: E402
+
+from .conftest import LONG, Cluster, wait_for  # noqa: E402
 
 
 def _status(client: httpx.Client, request_id: str, status: str = "cancelled") -> dict[str, Any]:

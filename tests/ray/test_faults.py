@@ -8,9 +8,13 @@ import signal
 import threading
 from typing import Any
 
-from kvscope.replicas.ids import owner_of
+import pytest
 
-from .conftest import LONG, Cluster, wait_for
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
+
+from kvscope.replicas.ids import owner_of  # noqa: E402
+
+from .conftest import LONG, Cluster, wait_for  # noqa: E402
 
 
 def _read(client: Any, body: dict[str, Any], replica: str, out: dict[str, Any]) -> None:

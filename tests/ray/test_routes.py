@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
-from kvscope.replicas.ids import owner_of
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
 
-from .conftest import LONG, Cluster, wait_for
+from kvscope.replicas.ids import owner_of  # noqa: E402
+
+from .conftest import LONG, Cluster, wait_for  # noqa: E402
 
 
 def test_routes_answer_as_on_the_single_server(live: Cluster) -> None:

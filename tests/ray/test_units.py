@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvscope.replicas.asgi import merge_metrics, merge_stats
-from kvscope.replicas.ids import id_prefix, owner_of, routing_key
-from kvscope.replicas.router import pick
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
+
+from kvscope.replicas.asgi import merge_metrics, merge_stats  # noqa: E402
+from kvscope.replicas.ids import id_prefix, owner_of, routing_key  # noqa: E402
+from kvscope.replicas.router import pick  # noqa: E402
 
 
 def test_ids_name_their_replica() -> None:
