@@ -71,6 +71,9 @@ class EngineConfig:
     worker: str = attrs.field(default="thread", validator=v.in_(("thread", "process")))
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0
+    #: What every generated request id starts with; a replica puts its own name in it
+    #: so that an id says which replica owns it (kvscope.replicas).
+    request_id_prefix: str = attrs.field(default="req-", validator=v.matches_re(r"[A-Za-z0-9_.-]+"))
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -441,7 +441,7 @@ class Engine:
             group = parent_state.children_group
         self._check_family(parent_state, samples)
         state = self._new_state(
-            request_id or new_request_id(),
+            request_id or new_request_id(self.config.request_id_prefix),
             prompt_ids,
             params,
             priority,
@@ -452,7 +452,7 @@ class Engine:
         for index in range(1, samples):
             seed = None if params.seed is None else (params.seed + index) % 2**64
             child = self._new_state(
-                new_request_id(),
+                new_request_id(self.config.request_id_prefix),
                 prompt_ids,
                 attrs.evolve(params, seed=seed),
                 priority,

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from .request import RequestState
 
 
-def new_request_id() -> str:
-    return "req-" + secrets.token_hex(16)
+def new_request_id(prefix: str = "req-") -> str:
+    return prefix + secrets.token_hex(16)
 
 
 class Registry:

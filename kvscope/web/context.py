@@ -9,6 +9,7 @@ events bind to it) and stored in `app.extensions["kvscope"]`.
 from __future__ import annotations
 
 import time
+from contextvars import ContextVar
 
 import anyio
 from quart import current_app
@@ -17,6 +18,18 @@ from kvscope import Engine
 
 from .metrics import Metrics
 from .settings import ServerSettings
+
+#: When the serving layer in front gives up on the current HTTP call (time.monotonic());
+#: None when nothing does. Ray Serve's request timeout sets it (kvscope.replicas), so
+#: a stream it cuts at its deadline is cancelled with reason `timeout`.
+call_deadline: ContextVar[float | None] = ContextVar("kvscope_call_deadline", default=None)
+
+
+def disconnect_reason() -> str:
+    """Why the client's side of the current call ended early: `timeout` once past
+    `call_deadline`, else `disconnect`."""
+    deadline = call_deadline.get()
+    return "timeout" if deadline is not None and time.monotonic() >= deadline else "disconnect"
 
 
 class ServerContext:

@@ -34,7 +34,7 @@ from kvscope.params import SamplingParams, field_of
 from .auth import current_owner
 from .bodies import decode_json, validate
 from .chat import chat_prompt
-from .context import ServerContext, server
+from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
 from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
 from .sse import StreamBody, sse_response
@@ -263,7 +263,7 @@ async def _complete(
         results = [await job.wait() for job in jobs]
     finally:
         if not all(job.done for job in jobs):
-            _cancel_all(ctx, jobs, "disconnect")
+            _cancel_all(ctx, jobs, disconnect_reason())
     choices = []
     for index, result in enumerate(results):
         choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}

@@ -56,6 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
     )
+    replicas = parser.add_argument_group("replicas on Ray Serve (pip install 'kvscope[ray]')")
+    replicas.add_argument(
+        "--replicas", type=int, default=0, help="serve N engine replicas through Ray Serve"
+    )
+    replicas.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    replicas.add_argument("--ray-cpus", type=int, default=None, help="CPUs of a local Ray")
+    replicas.add_argument("--cpus-per-replica", type=float, default=1.0)
+    replicas.add_argument(
+        "--request-timeout", type=float, default=None, help="Ray Serve's end-to-end timeout (s)"
+    )
     add_engine_arguments(parser)
 
 
@@ -95,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.replicas:
+        from kvscope.replicas.cli import run as run_replicas  # imports Ray only here
+
+        return run_replicas(args, settings, kwargs)
     server = Server(settings, kwargs, handle_signals=True)
 
     async def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from quart import Response
 
-from .context import ServerContext
+from .context import ServerContext, disconnect_reason
 
 log = logging.getLogger("kvscope.web")
 
@@ -94,10 +94,11 @@ class StreamBody:
         if self._complete:
             return
         ids = self._cancel_ids() if callable(self._cancel_ids) else self._cancel_ids
+        reason = disconnect_reason()
         for request_id in ids:
-            if self._ctx.engine.cancel_nowait(request_id, reason="disconnect"):
+            if self._ctx.engine.cancel_nowait(request_id, reason=reason):
                 log.info(
-                    "stream closed by the client: cancelled %s (reason disconnect)", request_id
+                    "stream closed by the client: cancelled %s (reason %s)", request_id, reason
                 )
 
 

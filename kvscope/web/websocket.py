@@ -26,7 +26,7 @@ from kvscope import Engine, KvscopeError
 
 from .auth import current_owner
 from .bodies import decode_json, validate
-from .context import ServerContext, server
+from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError, from_engine
 from .events import request_events
 from .schemas import GenerateBody
@@ -117,10 +117,9 @@ class _Connection:
 
     def abandon(self) -> None:
         """Synchronous: the connection ended; cancel what still runs."""
-        if self.current is not None and self.engine.cancel_nowait(
-            self.current, reason="disconnect"
-        ):
-            log.info("websocket closed: cancelled %s (reason disconnect)", self.current)
+        reason = disconnect_reason()
+        if self.current is not None and self.engine.cancel_nowait(self.current, reason=reason):
+            log.info("websocket closed: cancelled %s (reason %s)", self.current, reason)
 
 
 @blueprint.websocket("/ws/generate")

@@ -1,0 +1,418 @@
+"""One replica's ASGI app: the engine's lifespan, and the kvscope Quart app inside it.
+
+Ray Serve runs an ingress deployment's ASGI lifespan in one task for the replica's
+whole life (uvicorn's `LifespanOn`): `lifespan.startup` when the replica starts,
+`lifespan.shutdown` when Serve stops it. `ReplicaApp` opens the `Engine` in that task
+(`async with Engine.open(...)`, so the engine's root task group is as structured as in
+`kvscope serve`), builds the same Quart app as the single server (`create_app`), and
+hands every HTTP and WebSocket call to it. On shutdown it drains like the single
+server on SIGTERM: refuse new work, let live requests run for `drain_timeout`, cancel
+the rest with reason `shutdown`, wait until every stream sent its last event, close.
+
+What it adds in front of the Quart app, knowing it is one of several replicas:
+
+* an id in the path (`/requests/{id}`) that another replica generated reaches this one
+  only when that replica is gone (the router sends every other one to its owner), so it
+  answers 404 saying so, instead of the plain "no request";
+* `/stats`, `/metrics` and `GET /requests` gather every replica's own (`peers`),
+  labelled by replica; `?replica=<name>` (or the `X-Kvscope-Replica` header) reads
+  one replica;
+* a body that names a `parent` on another replica is forwarded to that replica
+  (`peers.forward`), so children start inside their parent's scope there;
+* the kvscope id is repeated in `X-Kvscope-Request-Id`, because Ray Serve's proxy
+  appends its own value to `X-Request-Id`;
+* Serve's cancellation of a call becomes the disconnect message Quart expects
+  (`_call_app`). This module is asyncio-only, as Ray Serve is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any, Protocol
+
+import anyio
+from prometheus_client.utils import floatToGoString
+
+from kvscope import Engine
+from kvscope.web.app import create_app
+from kvscope.web.context import ServerContext, call_deadline
+from kvscope.web.metrics import Metrics
+from kvscope.web.settings import ServerSettings
+
+from .ids import REPLICA_HEADER, owner_of, routing_key
+
+log = logging.getLogger("kvscope.replicas")
+
+#: Serve's per-call timeout header (it overrides `request_timeout_s`; <= 0 disables).
+TIMEOUT_HEADER = b"x-request-timeout-seconds"
+#: The routes whose answer gathers every replica's own (unless one is named).
+GATHERED = ("/stats", "/metrics", "/requests")
+#: Marks a call one replica forwarded to another (never forwarded again).
+FORWARDED_HEADER = b"x-kvscope-forwarded"
+#: How long a call cut by Serve may take to close (its final cleanup is synchronous).
+DISCONNECT_GRACE = 5.0
+#: How early, at most, a cut call counts as timed out (see `__call__`).
+TIMEOUT_SLACK = 0.25
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class Peers(Protocol):
+    """Every replica of the deployment, as this one reaches them (through Serve)."""
+
+    async def each(self, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, bytes]:
+        """Replica name -> the body of its own `GET path`, for every replica that answers."""
+        ...
+
+    def forward(self, replica: str, scope: Message, body: bytes) -> AsyncGenerator[Message, None]:
+        """Make the HTTP call (`scope`, `body`) on `replica`; its ASGI messages as they come."""
+        ...
+
+
+class ReplicaApp:
+    def __init__(
+        self,
+        replica: str,
+        engine_kwargs: dict[str, Any],
+        settings: ServerSettings,
+        peers: Peers,
+        request_timeout: float | None = None,
+    ) -> None:
+        self.replica = replica
+        #: Serve's end-to-end timeout of an HTTP call (its `request_timeout_s`).
+        self.request_timeout = request_timeout
+        self.engine_kwargs = engine_kwargs
+        self.settings = settings
+        self.peers = peers
+        self.ctx: ServerContext | None = None
+        self._app: Any = None
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if self._app is None:  # a call after the lifespan ended (Serve routes none before)
+            await _json(send, 503, _error("the replica is not serving", "unavailable_error"))
+            return
+        timeout = _timeout(scope.get("headers", ()), self.request_timeout)
+        if timeout is not None:
+            # Serve's clock started at its proxy, a little before this one: a call cut
+            # within the slack of its deadline was cut by the timeout.
+            slack = min(TIMEOUT_SLACK, timeout / 10)
+            call_deadline.set(time.monotonic() + timeout - slack)
+        if scope["type"] == "http":
+            if await self._answer_here(scope, receive, send):
+                return
+            send = self._tagged(send)
+        await self._call_app(scope, receive, send)
+
+    async def _call_app(self, scope: Message, receive: Receive, send: Send) -> None:
+        """Run the Quart app on one call, turning Serve's cancellation into a disconnect.
+
+        Serve cancels the replica's task when the client went away or its timeout
+        passed. Quart's ASGI connection, cancelled while it waits for its handler,
+        leaves that handler running (it reacts to a `disconnect` message, which is
+        what hypercorn sends, not to being cancelled): a stream would run on for
+        nobody. So the app runs in a task of its own, shielded; on cancellation its
+        `receive` answers the disconnect, Quart ends the handler (the stream body's
+        `finally` cancels the request), and the app is waited for, briefly.
+        """
+        cut = asyncio.Event()
+        disconnect: Message = {
+            "type": "websocket.disconnect" if scope["type"] == "websocket" else "http.disconnect",
+            "code": 1006,
+        }
+
+        async def receive_or_cut() -> Message:
+            if cut.is_set():
+                return disconnect
+            message = asyncio.ensure_future(receive())
+            waiter = asyncio.ensure_future(cut.wait())
+            await asyncio.wait([message, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if message.done():
+                return message.result()
+            message.cancel()
+            return disconnect
+
+        call = asyncio.ensure_future(self._app(scope, receive_or_cut, send))
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            cut.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(call), DISCONNECT_GRACE)
+            except (TimeoutError, asyncio.CancelledError):
+                call.cancel()
+            except Exception:  # the app's own failure, now nobody's to answer
+                log.exception("a call cut by Serve failed while closing")
+            raise
+
+    # -- the lifespan ------------------------------------------------------------------------
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        message = await receive()
+        assert message["type"] == "lifespan.startup", message
+        started = False
+        try:
+            async with Engine.open(**self.engine_kwargs) as engine:
+                metrics = Metrics()
+                metrics.attach(engine)
+                app = create_app(engine, self.settings, metrics)
+                await app.startup()
+                self.ctx = app.extensions["kvscope"]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
+                    self._app = app
+                    log.info("replica %s serving (model %s)", self.replica, engine.model_name)
+                    await send({"type": "lifespan.startup.complete"})
+                    started = True
+                    message = await receive()
+                    assert message["type"] == "lifespan.shutdown", message
+                    await self._drain()
+                    tg.cancel_scope.cancel()
+                await app.shutdown()
+        except BaseException as exc:
+            if not started:
+                await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+            raise
+        finally:
+            self._app = None
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _drain(self) -> None:
+        """The single server's SIGTERM: drain, cancel the rest, wait for last events."""
+        assert self.ctx is not None
+        ctx, engine, settings = self.ctx, self.ctx.engine, self.settings
+        ctx.shutting_down.set()
+        if not await engine.drain(settings.drain_timeout):
+            for info in engine.list_requests():
+                engine.cancel_nowait(info.id, reason="shutdown", by="server")
+        with anyio.move_on_after(settings.graceful_timeout):
+            await engine.wait_idle()
+            await ctx.wait_streams_closed()
+        log.info("replica %s drained: %s", self.replica, engine.stats())
+
+    # -- what a replica among several answers itself -------------------------------------------
+
+    async def _answer_here(self, scope: Message, receive: Receive, send: Send) -> bool:
+        path, method = scope["path"], scope["method"]
+        target = routing_key(path, scope.get("query_string", b""), scope.get("headers", ()))
+        if path.startswith("/requests/") and target not in (None, self.replica):
+            request_id = path.split("/")[2]
+            message = (
+                f"no request {request_id!r}: it belongs to replica {target}, which is not "
+                "running (it died or was replaced, and its requests with it)"
+            )
+            await _json(send, 404, _error(message, "not_found_error"))
+            return True
+        if method == "GET" and path in GATHERED and target is None:
+            await self._aggregate(path, scope, receive, send)
+            return True
+        if method == "GET" and path == "/stats":  # this replica's own, named
+            answer = await _capture(self._app, scope, receive)
+            if answer["status"] != 200:
+                await _replay(answer["messages"], send)
+            else:
+                stats = json.loads(answer["body"])
+                stats.update(replica=self.replica, pid=os.getpid())
+                await _json(self._tagged(send), 200, stats)
+            return True
+        if method == "POST" and path == "/generate":
+            return await self._forward_to_parent(scope, receive, send)
+        return False
+
+    async def _aggregate(self, path: str, scope: Message, receive: Receive, send: Send) -> None:
+        # Authentication first: the local app answers 401 for a bad key.
+        probe = await _capture(self._app, {**scope}, receive)
+        if probe["status"] != 200:
+            await _replay(probe["messages"], send)
+            return
+        auth = [(k, v) for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
+        bodies = await self.peers.each(path, auth)
+        if path == "/stats":
+            await _json(send, 200, merge_stats({r: json.loads(b) for r, b in bodies.items()}))
+        elif path == "/requests":
+            live = [item for body in bodies.values() for item in json.loads(body)["requests"]]
+            await _json(send, 200, {"requests": live})
+        else:
+            text = merge_metrics({r: b.decode() for r, b in bodies.items()})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+                }
+            )
+            await send({"type": "http.response.body", "body": text.encode()})
+
+    async def _forward_to_parent(self, scope: Message, receive: Receive, send: Send) -> bool:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return True
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        owner = _parent_owner(body)
+        forwarded = any(k.lower() == FORWARDED_HEADER for k, _ in scope.get("headers", ()))
+        # A forwarded call runs here even if this is not (or no longer) the owner: the
+        # engine then answers 404 for the parent, and nothing is forwarded twice.
+        if owner is None or owner == self.replica or forwarded:
+            await self._call_app(scope, _replay_body(body, receive), self._tagged(send))
+            return True
+        # Closed in this task however the loop ends: a cancelled call (the client went
+        # away) closes the forward's connection, which the owner sees as a disconnect.
+        async with aclosing(self.peers.forward(owner, scope, body)) as messages:
+            async for message in messages:
+                await send(message)
+        return True
+
+    def _tagged(self, send: Send) -> Send:
+        """Responses say which replica answered (`X-Kvscope-Replica`) and repeat the
+        kvscope id in `X-Kvscope-Request-Id` (Serve's proxy appends to `X-Request-Id`)."""
+
+        async def send_tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((REPLICA_HEADER.encode(), self.replica.encode()))
+                headers += [
+                    (b"x-kvscope-request-id", value)
+                    for name, value in message.get("headers", [])
+                    if name.lower() == b"x-request-id"
+                ]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        return send_tagged
+
+
+def merge_stats(per_replica: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The sum of every replica's numeric figures, and each replica's own under `replicas`."""
+    total: dict[str, Any] = {}
+    for stats in per_replica.values():
+        for name, value in stats.items():
+            if name == "pid":
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[name] = total.get(name, 0) + value
+    return {**total, "replicas": per_replica}
+
+
+def merge_metrics(per_replica: dict[str, str]) -> str:
+    """Every replica's Prometheus text as one exposition, each sample labelled `replica`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for replica, text in sorted(per_replica.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, family)
+            if merged is not family:
+                merged.samples.extend(_labelled(family.samples, replica))
+            else:
+                family.samples[:] = _labelled(family.samples, replica)
+    lines: list[str] = []
+    for family in families.values():
+        name = family.name
+        if family.type == "counter":
+            name_total = name + "_total"
+            lines.append(f"# HELP {name_total} {family.documentation}")
+            lines.append(f"# TYPE {name_total} counter")
+        else:
+            lines.append(f"# HELP {name} {family.documentation}")
+            lines.append(f"# TYPE {name} {family.type}")
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{_escape(value)}"' for key, value in sample.labels.items())
+            lines.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _labelled(samples: list[Any], replica: str) -> list[Any]:
+    return [s._replace(labels={"replica": replica, **s.labels}) for s in samples]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _timeout(headers: Any, default: float | None) -> float | None:
+    for name, value in headers:
+        if name.lower() == TIMEOUT_HEADER:
+            try:
+                seconds = float(value)
+            except ValueError:
+                return default  # as Serve reads it
+            return seconds if seconds > 0 else None
+    return default
+
+
+def _parent_owner(body: bytes) -> str | None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None  # the local app answers the 400
+    parent = data.get("parent") if isinstance(data, dict) else None
+    return owner_of(parent) if isinstance(parent, str) else None
+
+
+def _replay_body(body: bytes, then: Receive) -> Receive:
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+
+    return receive
+
+
+async def _capture(app: Any, scope: Message, receive: Receive) -> Message:
+    messages: list[Message] = []
+
+    async def send(message: Message) -> None:
+        messages.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in messages if m["type"] == "http.response.start")
+    headers = dict(start.get("headers", []))
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    return {
+        "status": start["status"],
+        "content_type": headers.get(b"content-type", b"").decode(),
+        "body": body,
+        "messages": messages,
+    }
+
+
+async def _replay(messages: list[Message], send: Send) -> None:
+    for message in messages:
+        await send(message)
+
+
+def _error(message: str, type_: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_}}
+
+
+async def _json(send: Send, status: int, body: Any) -> None:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+__all__ = ["REPLICA_HEADER", "Peers", "ReplicaApp", "merge_metrics", "merge_stats"]

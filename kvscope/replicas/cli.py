@@ -1,0 +1,98 @@
+"""`kvscope serve --replicas N`: start a local Ray (or join one), run the Serve app,
+print where it listens, and on SIGINT/SIGTERM stop Serve (each replica drains like the
+single server) and Ray.
+
+With `--ray-address` it joins a running cluster (`auto`, or `ray://host:10001`)
+instead of starting Ray here; with no address Ray is started with `--ray-cpus` logical
+CPUs and no dashboard. `--port 0` picks a free port before Serve's proxy binds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import attrs
+
+from kvscope.web.server import bind_socket
+from kvscope.web.settings import ServerSettings
+
+APP_NAME = "kvscope"
+
+
+def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print("error: --replicas needs Ray Serve: pip install 'kvscope[ray]'", file=sys.stderr)
+        return 2
+    from .deployment import build_app
+    from .proxy import CALLBACK_ENV, CALLBACK_PATH
+
+    if settings.backend != "asyncio":
+        print("error: Ray Serve replicas run on asyncio; drop --backend trio", file=sys.stderr)
+        return 2
+    port = settings.port or _free_port(settings.host)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    # Serve's proxy reads this when it starts (in a process that inherits it from
+    # the local Ray started below; on a cluster, set it on every node's Ray).
+    os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
+    if args.ray_address:
+        ray.init(address=args.ray_address, include_dashboard=False)
+    else:
+        ray.init(num_cpus=args.ray_cpus, include_dashboard=False)
+    try:
+        serve.start(
+            http_options={
+                "host": settings.host,
+                "port": port,
+                "request_timeout_s": args.request_timeout,
+            }
+        )
+        app = build_app(
+            engine_kwargs,
+            replicas=args.replicas,
+            settings={**attrs.asdict(settings), "port": port},
+            cpus_per_replica=args.cpus_per_replica,
+            graceful_shutdown_timeout_s=settings.drain_timeout + settings.graceful_timeout + 5,
+            proxy_url=f"http://{_local(settings.host)}:{port}",
+            request_timeout_s=args.request_timeout,
+        )
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        print(
+            f"kvscope serving {engine_kwargs['model']} on http://{host}:{port} "
+            f"({args.replicas} replicas on Ray Serve)",
+            flush=True,
+        )
+        stop.wait()
+        print("kvscope: stopping the replicas", flush=True)
+        serve.delete(APP_NAME)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _local(host: str) -> str:
+    """Where a replica on this node reaches the proxy that listens on `host`."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _free_port(host: str) -> int:
+    sock = bind_socket(host, 0)
+    try:
+        return int(sock.getsockname()[1])
+    finally:
+        sock.close()

@@ -1,0 +1,153 @@
+"""Fixtures for the Ray Serve tests: `kvscope serve --replicas 2` on a local Ray.
+
+One cluster per test session (starting Ray and loading two engines takes a minute on
+this machine): the `kvscope serve --replicas 2` command in a subprocess, which starts
+a small local Ray (4 logical CPUs, no dashboard), deploys two replicas of the bundled
+model with 64-block KV pools, and on SIGINT stops Serve (each replica drains) and
+Ray. Every test ends with a leak check on every replica: no block in use, no live
+request, no request task. Tests talk to it with real clients through Serve's proxy.
+Each test module skips, saying why, when Ray Serve is not installed (this file
+imports no Ray).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+
+from kvscope.web.server import bind_socket
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLICAS = 2
+#: Whole-cluster start: Ray, Serve, two model loads, on 2 shared cores.
+START_TIMEOUT = 300.0
+#: A request that runs for a long time unless cancelled (the pool caps it at ~1000).
+LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.ray)
+
+
+def wait_for(
+    predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
+) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@attrs.define
+class Cluster:
+    process: subprocess.Popen[str]
+    url: str
+    log_path: Path
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://")
+
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        """Each replica's `/stats` (name -> figures, pid included)."""
+        with self.client() as client:
+            return client.get("/stats").json()["replicas"]
+
+    def wait_replicas(self, n: int = REPLICAS, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            if self.process.poll() is not None:
+                raise AssertionError(f"kvscope serve exited:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                replicas = self.replicas()
+            except (httpx.HTTPError, ValueError, KeyError):
+                return None
+            return replicas if len(replicas) == n else None
+
+        return wait_for(ready, timeout=timeout, what=f"{n} replicas serving")
+
+    def wait_clean(self) -> None:
+        """Every replica: no KV block in use, no live request, no request task."""
+
+        def clean() -> bool:
+            replicas = self.replicas()
+            return len(replicas) == REPLICAS and all(
+                s["kv_blocks_in_use"] == 0 and s["live_requests"] == 0 and s["tasks"] == 0
+                for s in replicas.values()
+            )
+
+        try:
+            wait_for(clean, timeout=30, what="every replica clean")
+        except AssertionError:
+            raise AssertionError(f"a replica leaked: {self.replicas()}") from None
+
+
+def _free_port() -> int:
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        return int(sock.getsockname()[1])
+    finally:
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("ray") / "serve.log"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvscope.cli", "serve", "--replicas", str(REPLICAS)]
+            + ["--port", str(port), "--ray-cpus", "4", "--num-kv-blocks", "64"]
+            + ["--model-threads", "1", "--log-level", "WARNING"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # Ray's own processes go with it at the end
+        )
+    running = Cluster(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        try:
+            running.wait_replicas()
+        except AssertionError:
+            raise AssertionError(
+                f"cluster did not start:\n{log_path.read_text()[-3000:]}"
+            ) from None
+        yield running
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture
+def live(cluster: Cluster) -> Iterator[Cluster]:
+    """The cluster, with a leak check on every replica after the test."""
+    cluster.wait_replicas()
+    yield cluster
+    cluster.wait_clean()

@@ -1,0 +1,128 @@
+"""Every route through Ray Serve's proxy, and ids that reach their owning replica."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
+
+from kvscope.replicas.ids import owner_of  # noqa: E402
+
+from .conftest import LONG, Cluster, wait_for  # noqa: E402
+
+
+def test_routes_answer_as_on_the_single_server(live: Cluster) -> None:
+    with live.client() as client:
+        assert client.get("/health").json()["ready"] is True
+        assert client.get("/v1/models").json()["data"]
+        done = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+        assert done.status_code == 200, done.text
+        assert done.json()["choices"][0]["finish_reason"] == "length"
+        chat = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
+        assert chat.status_code == 200, chat.text
+        bad = client.post("/generate", json={"prompt": ""})
+        assert bad.status_code == 400 and bad.json()["error"]["message"]
+        unknown = client.get("/requests/req-" + "0" * 32)
+        assert unknown.status_code == 404
+
+
+def test_ids_name_their_replica_and_every_call_reaches_it(live: Cluster) -> None:
+    """Jobs land on both replicas; look-up, events and DELETE each reach the owner."""
+    owners: dict[str, str] = {}
+    with live.client() as client:
+        while len(set(owners.values())) < 2:
+            job = client.post("/generate", json={"prompt": "Once upon a time", **LONG})
+            assert job.status_code == 202, job.text
+            owner = owner_of(job.json()["id"])
+            assert owner in live.replicas()
+            owners[job.json()["id"]] = owner
+            assert len(owners) < 20, "the router sent every job to one replica"
+        listed = {r["id"] for r in client.get("/requests").json()["requests"]}
+        assert set(owners) <= listed  # gathered from both replicas
+        for request_id, owner in owners.items():
+            info = client.get(f"/requests/{request_id}")
+            assert info.status_code == 200, info.text
+            assert info.headers["x-kvscope-replica"] == owner
+            with client.stream("GET", f"/requests/{request_id}/events") as events:
+                assert events.headers["x-kvscope-replica"] == owner
+                first = json.loads(next(events.iter_lines()).removeprefix("data: "))
+                assert first["id"] == request_id
+            report = client.delete(f"/requests/{request_id}")
+            assert report.status_code == 200, report.text
+            assert report.headers["x-kvscope-replica"] == owner
+            assert report.json()["found"] and report.json()["blocks_released"] > 0
+            again = client.delete(f"/requests/{request_id}")
+            assert again.status_code == 409 and again.json()["error"]["status"] == "cancelled"
+            info = client.get(f"/requests/{request_id}").json()
+            assert info["status"] == "cancelled" and info["cancel_reason"] == "user"
+
+
+def test_a_child_starts_on_its_parents_replica(live: Cluster) -> None:
+    """Sent to the other replica on purpose, a child body is forwarded to the parent's
+    replica, so cancelling the parent cancels it by scope nesting."""
+    with live.client() as client:
+        parent = client.post("/generate", json={"prompt": "A story", **LONG}).json()["id"]
+        owner = owner_of(parent)
+        other = next(name for name in live.replicas() if name != owner)
+        children = []
+        for _ in range(3):
+            child = client.post(
+                "/generate",
+                json={"prompt": "A branch", "parent": parent, **LONG},
+                headers={"X-Kvscope-Replica": other},
+            )
+            assert child.status_code == 202, child.text
+            assert owner_of(child.json()["id"]) == owner
+            children.append(child.json()["id"])
+        report = client.delete(f"/requests/{parent}").json()
+        assert report["cancelled_children"] == 3
+        for child_id in children:
+            info = client.get(f"/requests/{child_id}").json()
+            assert info["status"] == "cancelled" and info["cancel_reason"] == "parent"
+
+
+def test_openai_n_samples_share_one_replica(live: Cluster) -> None:
+    with live.client() as client:
+        answer = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "n": 3})
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["choices"]) == 3
+
+
+def test_stats_and_metrics_gather_every_replica(live: Cluster) -> None:
+    with live.client() as client:
+        client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        stats = client.get("/stats").json()
+        assert len(stats["replicas"]) == 2
+        assert stats["kv_blocks_total"] == sum(
+            s["kv_blocks_total"] for s in stats["replicas"].values()
+        )
+        one = next(iter(stats["replicas"]))
+        alone = client.get("/stats", params={"replica": one}).json()
+        assert alone["replica"] == one and "replicas" not in alone
+        text = client.get("/metrics").text
+        for name in stats["replicas"]:
+            assert f'kvscope_kv_blocks_total{{replica="{name}"}}' in text
+        assert 'kvscope_requests_total{replica="' in text
+
+
+def test_an_id_of_a_replica_that_is_gone_answers_404_saying_so(live: Cluster) -> None:
+    with live.client() as client:
+        gone = "req-zzzzzzzz-" + "0" * 32
+        for method in ("GET", "DELETE"):
+            answer = client.request(method, f"/requests/{gone}")
+            assert answer.status_code == 404
+            assert "replica zzzzzzzz" in answer.json()["error"]["message"]
+        with client.stream("GET", f"/requests/{gone}/events") as events:
+            assert events.status_code == 404
+
+
+def test_a_bad_body_is_a_400_not_a_500(live: Cluster) -> None:
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        assert client.post("/generate", content=b"{nope").status_code == 400
+        wait_for(lambda: client.get("/health").status_code == 200)
