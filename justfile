@@ -5,7 +5,7 @@ venv := ".venv/bin/"
 # Install kvscope and its test tools into .venv
 install:
     python3 -m venv .venv
-    {{venv}}pip install torch==2.13.0 -e '.[dev]'
+    {{venv}}pip install torch==2.13.0 -e '.[dev,ray]'
 
 # Serve the bundled model on 127.0.0.1:8000
 serve *ARGS:
