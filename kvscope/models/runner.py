@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from kvscope.cache.kv_cache import KVCache
-from kvscope.kernels.attention import AttentionMetadata, build_metadata
+from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
 from kvscope.kernels.sampling import sample
 from kvscope.params import SamplingParams
 
@@ -82,6 +82,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
+        # Resolve the decode kernel now: on the CPU this loads it or starts its build.
+        decode_backend(self.device.type)
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[int | None]:
         """Run one step; returns the sampled token of each chunk (None if it samples
