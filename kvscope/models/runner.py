@@ -16,6 +16,7 @@ set, the forward stops with `StepAborted`.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -28,6 +29,8 @@ from kvscope.kernels.sampling import sample
 from kvscope.params import SamplingParams
 
 from .llama import LayerBatch, LlamaModel, StepAborted
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -84,6 +87,7 @@ class ModelRunner:
         self.device = model.device
         # Resolve the decode kernel now: on the CPU this loads it or starts its build.
         decode_backend(self.device.type)
+        log.info("linear layers: %s (kernels/linear.py)", model.linear_layout)
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[int | None]:
         """Run one step; returns the sampled token of each chunk (None if it samples
