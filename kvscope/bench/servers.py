@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -18,6 +19,9 @@ import anyio
 from .http_client import wait_ready
 
 DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin/python")
+#: What vLLM's CPU docs preload: tcmalloc (Debian's libtcmalloc-minimal4) and Intel's
+#: OpenMP (the intel-openmp wheel, in the vLLM venv's lib/); each where it exists.
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
 def free_port() -> int:
@@ -45,10 +49,16 @@ class Server:
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
         self.process: subprocess.Popen[bytes] | None = None
+        #: perf_counter() when the process was spawned and when it first answered.
+        self.spawned_at: float | None = None
+        self.ready_at: float | None = None
+        #: How it was started, for the JSON: the command and the environment it added.
+        self.settings = {"argv": argv, "env": env or {}}
 
     async def __aenter__(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
+        self.spawned_at = time.perf_counter()
         self.process = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env
         )
@@ -63,6 +73,7 @@ class Server:
         except BaseException:
             self.stop()
             raise
+        self.ready_at = time.perf_counter()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -158,6 +169,8 @@ def vllm_server(
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
     if threads >= 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+    if preload := vllm_preload(python):
+        env["LD_PRELOAD"] = ":".join(preload)
     argv = [
         python,
         "-m",
@@ -178,3 +191,9 @@ def vllm_server(
     return Server(
         argv, ready_path="/v1/models", port=port, log_path=log_path, env=env, start_timeout=600
     )
+
+
+def vllm_preload(python: str) -> list[str]:
+    """The libraries vLLM's CPU docs preload, those that are installed."""
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # the venv's, not resolved
+    return [str(path) for path in (TCMALLOC, iomp) if path.exists()]
