@@ -111,10 +111,9 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> l
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """Hugging Face's RMSNorm (normalised in float32, scaled after the cast back), with
+    torch's fused kernel for the float32 part: 3 ops instead of 7 per call."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class LlamaModel:
@@ -195,15 +194,16 @@ class LlamaModel:
             num_tokens = hidden.shape[0]
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, c.num_heads, c.head_dim)
-            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+                q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+                q = rms_norm(q.view(num_tokens, c.num_heads, c.head_dim), layer.q_norm, eps)
+                k = rms_norm(k.view(num_tokens, c.num_kv_heads, c.head_dim), layer.k_norm, eps)
+                qk = torch.cat([q, k], dim=1)
+            # q and k heads rotated together: one set of ops for both.
+            qk = apply_rotary(qk.view(num_tokens, -1, c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             attended = paged_attention(
                 q, k, v, kv_cache.keys[index], kv_cache.values[index], batch.meta, self.scale
             )
