@@ -57,7 +57,9 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def layout(self) -> str:
-        return "prepacked" if self.packed is not None else "wide" if self.wide is not None else "plain"
+        return (
+            "prepacked" if self.packed is not None else "wide" if self.wide is not None else "plain"
+        )
 
 
 def plan(linears: Sequence[Linear]) -> str:
