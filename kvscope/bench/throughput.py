@@ -91,7 +91,8 @@ async def _http_peer(
     timeout: float,
     label: str,
     threads: int,
-) -> list[dict[str, Any]]:
+) -> dict[str, Any]:
+    """Start `server`, time its cold start to a first token, then run every level."""
     out = []
     async with server:
         warm = Workload([levels[0][1].prompts[0][::-1]], 4)  # a prompt none of the levels uses
