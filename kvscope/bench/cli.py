@@ -13,7 +13,7 @@ import importlib
 import sys
 
 #: Modules the benchmarks import that only the `bench` extra installs.
-BENCH_MODULES = ("httpx", "transformers")
+BENCH_MODULES = ("aiohttp", "httpx", "transformers")
 INSTALL_HINT = "pip install 'kvscope[bench]'"
 
 

@@ -1,26 +1,31 @@
 """The HTTP client the benchmarks drive servers with (kvscope serve and vLLM alike).
 
-`stream_completion` sends one streaming `POST /v1/completions` with the prompt as token
-ids and records when each SSE chunk arrives; `run_http_level` runs a workload at a
-concurrency and reports the same figures as the in-process engine runs. Only ever
-pointed at 127.0.0.1.
+It shares the 2 cores with the server it measures, so it is light: `aiohttp` (not
+httpx, which was heavy enough to halve a peer's figure), one JSON parse per SSE event,
+and its own CPU seconds reported with every level. `stream_completion` sends one
+streaming `POST /v1/completions` with the prompt as token ids and records when each
+SSE chunk arrives; `run_http_level` runs a workload at a concurrency and reports the
+same figures as the in-process engine runs. Only ever pointed at 127.0.0.1. aiohttp
+runs on asyncio only: the benchmarks drive it with `anyio.run`'s default backend.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
+import aiohttp
 import anyio
-import httpx
 
 from .engine_run import level_figures
 from .workload import Deadline, Workload
 
 
 def check_local(base_url: str) -> None:
-    host = httpx.URL(base_url).host
+    host = urlsplit(base_url).hostname
     if host not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"benchmarks only send traffic to 127.0.0.1, not {host}")
 
@@ -28,30 +33,33 @@ def check_local(base_url: str) -> None:
 async def served_model(base_url: str) -> str:
     """The model id the server at `base_url` answers to (its `GET /v1/models`): an
     OpenAI-compatible server refuses any other name."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-        response = await client.get("/v1/models")
+    async with (
+        aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.get("/v1/models") as response,
+    ):
         response.raise_for_status()
-        return response.json()["data"][0]["id"]
+        return (await response.json())["data"][0]["id"]
 
 
 async def wait_ready(base_url: str, path: str, timeout: float, alive=lambda: True) -> None:
     """Poll `path` until it answers 200, the process dies, or `timeout` s pass."""
     deadline = Deadline(timeout)
-    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
+    async with aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=5)) as session:
         while not deadline.passed:
             if not alive():
                 raise RuntimeError(f"the server at {base_url} exited while starting")
             try:
-                if (await client.get(path)).status_code == 200:
-                    return
-            except httpx.TransportError:
+                async with session.get(path) as response:
+                    if response.status == 200:
+                        return
+            except (TimeoutError, aiohttp.ClientError):
                 pass
-            await anyio.sleep(0.5)
+            await anyio.sleep(0.1)
     raise TimeoutError(f"{base_url}{path} was not ready after {timeout:.0f} s")
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int
+    session: aiohttp.ClientSession, model: str, prompt: list[int], max_tokens: int
 ) -> dict[str, Any]:
     body = {
         "model": model,
@@ -65,16 +73,16 @@ async def stream_completion(
     t0 = time.perf_counter()
     times: list[float] = []
     usage = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
+    async with session.post("/v1/completions", json=body) as response:
+        if response.status != 200:
             raise RuntimeError(
-                f"/v1/completions answered {response.status_code}: {(await response.aread())[:300]!r}"
+                f"/v1/completions answered {response.status}: {(await response.read())[:300]!r}"
             )
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
+        async for raw in response.content:  # one SSE line at a time
+            if not raw.startswith(b"data:"):
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            data = raw[5:].strip()
+            if data == b"[DONE]":
                 break
             event = json.loads(data)
             if event.get("usage"):
@@ -89,22 +97,27 @@ async def stream_completion(
 async def run_http_level(
     base_url: str, model: str, workload: Workload, concurrency: int, timeout: float
 ) -> dict[str, Any]:
+    """The workload at `concurrency`; with the client's own CPU seconds (this process
+    runs nothing else meanwhile) and their share of the machine over the level."""
     check_local(base_url)
     limit = anyio.Semaphore(concurrency)
     records: list[dict[str, Any]] = []
 
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
         async with limit:
-            records.append(await stream_completion(client, model, prompt, workload.max_tokens))
+            records.append(await stream_completion(session, model, prompt, workload.max_tokens))
 
-    limits = httpx.Limits(
-        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
-    )
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    async with aiohttp.ClientSession(
+        base_url, connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)
+    ) as session:
         with anyio.fail_after(timeout):
             async with anyio.create_task_group() as tg:
                 for prompt in workload.prompts:
-                    tg.start_soon(one, client, prompt)
-    wall = time.perf_counter() - t0
-    return level_figures(concurrency, records, wall)
+                    tg.start_soon(one, session, prompt)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    figures = level_figures(concurrency, records, wall)
+    figures["client_cpu_s"] = round(cpu, 3)
+    figures["client_cpu_share"] = round(cpu / (wall * (os.cpu_count() or 1)), 4)
+    return figures

@@ -10,10 +10,6 @@ from .stats import table
 def throughput_tables(r: dict[str, Any]) -> str:
     conc = r["config"]["concurrency"]
     rows = []
-    for run in r["kvscope"]:
-        rows.append(
-            ["kvscope (engine API)", run["threads"], *[_tps(run["levels"], c) for c in conc]]
-        )
     for run in r.get("kvscope_serve", []):
         rows.append(
             ["kvscope serve (HTTP)", run["threads"], *[_tps(run["levels"], c) for c in conc]]
@@ -22,6 +18,14 @@ def throughput_tables(r: dict[str, Any]) -> str:
         rows.append(
             [
                 f"vLLM CPU {r['machine'].get('vllm', '')} (HTTP)",
+                run["threads"],
+                *[_tps(run["levels"], c) for c in conc],
+            ]
+        )
+    for run in r["kvscope"]:
+        rows.append(
+            [
+                "kvscope (engine API, in-process)",
                 run["threads"],
                 *[_tps(run["levels"], c) for c in conc],
             ]
@@ -47,9 +51,9 @@ def throughput_tables(r: dict[str, Any]) -> str:
 
     lat = []
     for label, runs in (
-        ("kvscope (engine API)", r["kvscope"]),
         ("kvscope serve (HTTP)", r.get("kvscope_serve", [])),
         ("vLLM CPU (HTTP)", r.get("vllm", [])),
+        ("kvscope (engine API)", r["kvscope"]),
     ):
         for run in runs:
             for lv in run["levels"]:
@@ -62,14 +66,54 @@ def throughput_tables(r: dict[str, Any]) -> str:
                         lv["ttft_ms"]["p99"],
                         lv["itl_ms"]["p50"],
                         lv["itl_ms"]["p99"],
+                        lv.get("client_cpu_s", "-"),
+                        _pct(lv["client_cpu_share"]) if "client_cpu_share" in lv else "-",
                     ]
                 )
     out += [
         "",
-        "Latency (ms)",
+        "Latency (ms); the HTTP client's CPU seconds and share of the machine over the level",
         "",
         table(
-            ["system", "threads", "concurrent", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], lat
+            [
+                "system",
+                "threads",
+                "concurrent",
+                "TTFT p50",
+                "TTFT p99",
+                "ITL p50",
+                "ITL p99",
+                "client CPU s",
+                "client share",
+            ],
+            lat,
+        ),
+    ]
+    starts = []
+    for label, runs in (
+        ("kvscope serve", r.get("kvscope_serve", [])),
+        ("vLLM CPU", r.get("vllm", [])),
+    ):
+        for run in runs:
+            load = run.get("load_average", {})
+            starts.append(
+                [
+                    label,
+                    run["threads"],
+                    run["cold_start"]["ready_s"],
+                    run["cold_start"]["first_token_s"],
+                    load.get("before"),
+                    load.get("after"),
+                    " ".join(f"{k}={v}" for k, v in run["settings"]["env"].items()) or "-",
+                ]
+            )
+    out += [
+        "",
+        "Servers: seconds from spawning to answering and to the first token; load average around the phase",
+        "",
+        table(
+            ["server", "threads", "ready s", "first token s", "load before", "load after", "env"],
+            starts,
         ),
     ]
 
@@ -110,34 +154,53 @@ def throughput_tables(r: dict[str, Any]) -> str:
     head = r.get("headline", {})
     hrows = []
     for t, h in head.get("by_threads", {}).items():
-        hrows.append(
-            [
-                t,
-                h.get("kvscope_tokens_per_s"),
-                h.get("x_transformers_one_at_a_time"),
-                h.get("target_3x_transformers_met"),
-                h.get("vllm_tokens_per_s"),
-                h.get("x_vllm"),
-                h.get("target_vllm_met"),
-            ]
-        )
+        for c, f in h["levels"].items():
+            hrows.append(
+                [
+                    t,
+                    c,
+                    f["kvscope_serve_tokens_per_s"],
+                    f["vllm_tokens_per_s"],
+                    f["x_vllm"],
+                    f.get("target_vllm_met"),
+                    f["kvscope_serve_ttft_p50_ms"],
+                    f["vllm_ttft_p50_ms"],
+                    f.get("ttft_no_worse"),
+                    f["engine_tokens_per_s"],
+                ]
+            )
     out += [
         "",
-        f"Targets at {head.get('concurrency')} concurrent",
+        "Targets: kvscope served against vLLM served (the engine in-process beside, not a target)",
         "",
         table(
             [
                 "threads",
-                "kvscope tok/s",
-                "x transformers 1-at-a-time",
-                ">= 3x?",
+                "concurrent",
+                "kvscope serve tok/s",
                 "vLLM tok/s",
                 "x vLLM",
                 ">= vLLM?",
+                "kvscope TTFT p50",
+                "vLLM TTFT p50",
+                "TTFT no worse?",
+                "engine tok/s",
             ],
             hrows,
         ),
     ]
+    xrows = [
+        [t, h.get("x_transformers_one_at_a_time"), h.get("target_3x_transformers_met")]
+        for t, h in head.get("by_threads", {}).items()
+        if "x_transformers_one_at_a_time" in h
+    ]
+    if xrows:
+        out += [
+            "",
+            f"kvscope (served where run) at {head.get('concurrency')} concurrent against transformers one at a time",
+            "",
+            table(["threads", "x transformers", ">= 3x?"], xrows),
+        ]
     for peer, why in r.get("missing", {}).items():
         out.append(f"\nPEER MISSING: {peer}: {why}")
     return "\n".join(out)

@@ -12,11 +12,14 @@ per layer) and says where each goes:
 
 There are no per-token Python loops; grouped-query attention uses SDPA's `enable_gqa`.
 
-The decode rows go through `decode_backend(device)`: the Triton kernel
-(`triton_attention.py`) for CUDA tensors, torch_npu's fused attention (`npu.py`) for
-Ascend tensors, and `reference_decode` here otherwise, or when the device's kernel is
-unavailable. Setting `KVSCOPE_ATTENTION=reference` forces the reference everywhere.
-Both device modules are imported lazily, on the first step on their device.
+The decode rows go through `decode_backend(device)`: the compiled C++ kernel
+(`cpu_decode.py`, built in the background on first use) for CPU tensors, the Triton
+kernel (`triton_attention.py`) for CUDA tensors, torch_npu's fused attention (`npu.py`)
+for Ascend tensors, and `reference_decode` here otherwise, or while the device's kernel
+is unavailable. Setting `KVSCOPE_ATTENTION=reference` forces the reference everywhere.
+The device modules are imported lazily, on the first step on their device. Prefill
+chunks stay on gather + SDPA: with many query rows a chunk is bound by the matrix
+multiplies, which SDPA's flash kernel does well, and the gather is shared by its rows.
 """
 
 from __future__ import annotations
@@ -219,6 +222,10 @@ def decode_backend(device_type: str) -> DecodeFn:
         from .npu import NpuDecode
 
         return NpuDecode(fallback=reference_decode)
+    if device_type == "cpu":
+        from .cpu_decode import CpuDecode
+
+        return CpuDecode(fallback=reference_decode)
     return reference_decode
 
 

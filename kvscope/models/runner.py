@@ -16,6 +16,7 @@ set, the forward stops with `StepAborted`.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -23,11 +24,13 @@ import attrs
 import torch
 
 from kvscope.cache.kv_cache import KVCache
-from kvscope.kernels.attention import AttentionMetadata, build_metadata
+from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
 from kvscope.kernels.sampling import RowState, Sampled, sample
 from kvscope.params import SamplingParams
 
 from .llama import LayerBatch, LlamaModel, StepAborted
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -83,6 +86,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
+        # Resolve the decode kernel now: on the CPU this loads it or starts its build.
+        decode_backend(self.device.type)
+        log.info("linear layers: %s (kernels/linear.py)", model.linear_layout)
 
     def new_control(self, dropped: Callable[[list[int]], None]) -> StepControl:
         """The control channel the step actor uses for this runner's steps."""

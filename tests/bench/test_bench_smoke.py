@@ -85,11 +85,23 @@ def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert run["stats_after"]["kv_blocks_in_use"] == 0
     (served,) = r["kvscope_serve"]
     assert all(lv["output_tokens"] == lv["requests"] * 4 for lv in served["levels"])
+    for lv in served["levels"]:  # the light client's own CPU, reported per level
+        assert lv["client_cpu_s"] >= 0 and 0 <= lv["client_cpu_share"] <= 1
+    cold = served["cold_start"]
+    assert 0 < cold["ready_s"] <= cold["first_token_s"]
+    assert (
+        served["load_average"]["before"] is not None
+        and "--model-threads" in served["settings"]["argv"]
+    )
     (hf,) = r["transformers"]
     assert hf["one_at_a_time"]["output_tokens"] == 4 and hf["static_batch"][0]["batch"] == 2
     assert "vllm" in r["missing"] and "not installed" in r["missing"]["vllm"]
     head = r["headline"]["by_threads"]["1"]
-    assert head["kvscope_tokens_per_s"] > 0 and "x_transformers_one_at_a_time" in head
+    for c in ("1", "2"):  # served is compared with served; vLLM is missing here
+        level = head["levels"][c]
+        assert level["kvscope_serve_tokens_per_s"] > 0 and level["engine_tokens_per_s"] > 0
+        assert level["vllm_tokens_per_s"] is None and level["x_vllm"] is None
+    assert "x_transformers_one_at_a_time" in head
     assert plot.is_file() or not _has_matplotlib()
 
 

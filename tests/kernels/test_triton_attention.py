@@ -23,6 +23,7 @@ from kvscope.kernels.attention import (
     paged_attention,
     reference_decode,
 )
+from kvscope.kernels.cpu_decode import CpuDecode
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'kvscope[cuda]')")
 
@@ -152,7 +153,8 @@ def test_cuda_tensors_dispatch_to_triton() -> None:
     decode_backend.cache_clear()
     try:
         assert decode_backend("cuda").__module__ == MODULE
-        assert decode_backend("cpu") is reference_decode
+        cpu = decode_backend("cpu")  # the compiled CPU kernel, over the reference
+        assert isinstance(cpu, CpuDecode) and cpu.fallback is reference_decode
     finally:
         decode_backend.cache_clear()
 

@@ -176,3 +176,21 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
 @pytest.fixture(scope="session", params=KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(params=["kernel", "fallback"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Decode attention on the compiled CPU kernel, then on the torch fallback (what
+    serves while the kernel builds, and where no compiler exists)."""
+    from kvscope.kernels.attention import decode_backend
+    from kvscope.kernels.cpu_decode import compiler, cpu_kernel
+
+    if request.param == "fallback":
+        monkeypatch.setenv("KVSCOPE_ATTENTION", "reference")
+    elif compiler() is None:
+        pytest.skip("no C++ compiler here: only the fallback runs")
+    else:
+        assert cpu_kernel().wait(timeout=900), cpu_kernel().why_not
+    decode_backend.cache_clear()
+    yield request.param
+    decode_backend.cache_clear()

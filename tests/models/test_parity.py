@@ -2,7 +2,8 @@
 architecture: prefill logits (one-shot, chunked, and batched with decode rows) within
 1e-4 relative in float32, and greedy tokens identical to `generate` when run alone,
 batched with others, beside cancelled requests, through chunked prefill and through a
-prefix-cache hit. bfloat16 loads and runs.
+prefix-cache hit. bfloat16 loads and runs. The tests with decode rows run twice:
+decode attention on the compiled CPU kernel and on the torch fallback.
 """
 
 from __future__ import annotations
@@ -105,8 +106,11 @@ def test_prefill_logits_match_transformers(checkpoints: Any, kind: str) -> None:
         assert_close(cache.step([(0, ids, 0)]), hf_logits(hf, ids))
 
 
-def test_chunked_and_batched_logits_match_transformers(checkpoints: Any, kind: str) -> None:
-    """Prefill in chunks of 5 tokens, while two other sequences decode in the same steps."""
+def test_chunked_and_batched_logits_match_transformers(
+    checkpoints: Any, kind: str, attention_path: str
+) -> None:
+    """Prefill in chunks of 5 tokens, while two other sequences decode in the same steps
+    (their attention on the compiled kernel and on the fallback)."""
     directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
     loaded = load_model(str(directory), device=CPU, dtype="float32")
     a, b, c, _ = prompts(directory)
@@ -153,7 +157,7 @@ async def test_greedy_alone_matches_generate(checkpoints: Any, kind: str, open_e
 
 @pytest.mark.anyio
 async def test_greedy_batched_with_cancellations_matches_generate(
-    checkpoints: Any, kind: str, open_engine: Any
+    checkpoints: Any, kind: str, open_engine: Any, attention_path: str
 ) -> None:
     """All prompts at once, beside four requests cancelled part-way; the survivors'
     tokens are exactly what `generate` gives each prompt alone."""
@@ -237,10 +241,13 @@ async def test_prefix_cache_hit_gives_the_same_tokens(
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
-async def test_bfloat16_loads_and_runs(checkpoints: Any, kind: str, open_engine: Any) -> None:
+async def test_bfloat16_loads_and_runs(
+    checkpoints: Any, kind: str, open_engine: Any, attention_path: str
+) -> None:
     directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
     ids = prompts(directory)[0]
     loaded = load_model(str(directory), device=CPU, dtype="bfloat16")
+    assert loaded.model.linear_layout in ("wide", "prepacked")  # checked against F.linear
     assert loaded.model.dtype == torch.bfloat16 and loaded.model.embed.dtype == torch.bfloat16
     logits = Cache(loaded).step([(0, ids, 0)])
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

@@ -1,0 +1,174 @@
+"""The compiled CPU decode kernel against the torch reference, and its build: in the
+background while the engine serves on the fallback, and not at all without a compiler.
+
+The kernel is built (or loaded from the cache) once per test session; where no C++
+compiler exists the kernel tests are skipped with that reason, and the fallback test
+still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvscope.kernels.attention import reference_decode
+from kvscope.kernels.cpu_decode import compiler, cpu_kernel
+
+# (heads, kv_heads, head_dim, block_size): GQA 2, 4 and 6 to 1, MHA, head sizes that
+# are not a multiple of 8, a block size that is not a power of two.
+SHAPES = [(8, 4, 64, 16), (8, 2, 32, 8), (4, 4, 16, 4), (6, 1, 24, 5), (12, 4, 20, 16)]
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def op():
+    if compiler() is None:
+        pytest.skip("no C++ compiler here: the engine serves on the torch fallback")
+    kernel = cpu_kernel()
+    assert kernel.wait(timeout=900), kernel.why_not
+    return kernel.op
+
+
+def ragged_case(heads, kv_heads, dim, block_size, dtype, *, head_major=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 7 * block_size + 2]
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * width + 3
+
+    def cache() -> torch.Tensor:
+        if head_major:
+            storage = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
+            return storage.to(dtype).permute(1, 2, 0, 3)
+        return torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator).to(dtype)
+
+    keys, values = cache(), cache()
+    # Scattered blocks; the padding past each row's blocks points at block 0.
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    for row, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            tables[row, j] = order.pop()
+    query = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    return query, keys, values, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "block-major"])
+def test_kernel_matches_reference(op, shape, dtype, head_major) -> None:
+    heads, kv_heads, dim, block_size = shape
+    query, keys, values, tables, lens = ragged_case(*shape, dtype, head_major=head_major)
+    out = torch.full_like(query, float("nan"))
+    op(out, query, keys, values, tables, lens, dim**-0.5)
+    ref = reference_decode(query.float(), keys.float(), values.float(), tables, lens, dim**-0.5)
+    error = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert error <= RTOL[dtype], f"max error {error:.1e} relative"
+
+
+def test_kernel_reads_a_strided_query_and_threads(op) -> None:
+    """A query sliced out of a wider tensor (as the step's decode rows are), on 1 and 2
+    threads, gives the same result."""
+    query, keys, values, tables, lens = ragged_case(8, 2, 32, 8, torch.float32)
+    wide = torch.cat([query, torch.zeros_like(query)], dim=1)[:, :8]
+    assert not wide.is_contiguous()
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty_like(query)
+            op(out, wide, keys, values, tables, lens, 0.125)
+            results.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    ref = reference_decode(query, keys, values, tables, lens, 0.125)
+    assert torch.allclose(results[0], ref, atol=1e-5) and torch.equal(results[0], results[1])
+
+
+def test_kernel_rejects_what_it_cannot_read(op) -> None:
+    query, keys, values, tables, lens = ragged_case(8, 4, 16, 4, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        op(torch.empty_like(query), query, keys.half(), values, tables, lens, 0.25)
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        half = query.half()
+        op(torch.empty_like(half), half, keys.half(), values.half(), tables, lens, 0.25)
+
+
+def _run_engine_script(env: dict[str, str], body: str) -> subprocess.CompletedProcess[str]:
+    script = (
+        textwrap.dedent(
+            """
+        import logging, anyio
+        from kvscope import Engine
+        from kvscope.kernels.cpu_decode import cpu_kernel
+        logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+
+        async def tokens(engine):
+            out = await engine.generate("Hello there", temperature=0, max_tokens=8,
+                                        ignore_eos=True)
+            return list(out.token_ids)
+
+        async def main():
+            async with Engine.open("tiny-random", device="cpu", model_threads=1) as engine:
+        """
+        )
+        + textwrap.indent(textwrap.dedent(body), " " * 16)
+        + "\nanyio.run(main)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
+
+
+def test_without_a_compiler_the_engine_serves_on_the_fallback(tmp_path: Path) -> None:
+    result = _run_engine_script(
+        {"CXX": "/nonexistent/g++", "KVSCOPE_KERNEL_CACHE": str(tmp_path)},
+        """
+        assert len(await tokens(engine)) == 8
+        assert not cpu_kernel().ready
+        print("WHY", cpu_kernel().why_not)
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "WHY no C++ compiler (/nonexistent/g++ not found)" in result.stdout
+    lines = [line for line in result.stderr.splitlines() if "torch fallback" in line]
+    assert len(lines) == 1, result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler here")
+def test_the_build_runs_in_the_background_then_takes_over(tmp_path: Path) -> None:
+    """From an empty cache the engine answers on the fallback at once, builds the
+    kernel meanwhile, switches to it, and the tokens do not change; a second process
+    loads the cached build at start."""
+    first = _run_engine_script(
+        {"KVSCOPE_KERNEL_CACHE": str(tmp_path)},
+        """
+        before = await tokens(engine)
+        assert not cpu_kernel().ready, "the build should still be running"
+        ok = await anyio.to_thread.run_sync(cpu_kernel().wait, 900)
+        assert ok, cpu_kernel().why_not
+        assert await tokens(engine) == before
+        """,
+    )
+    assert first.returncode == 0, first.stderr
+    assert "building the CPU paged-attention kernel in the background" in first.stderr
+    assert "kernel built in" in first.stderr
+    assert len(list(tmp_path.glob("paged_decode-*.so"))) == 1
+    second = _run_engine_script(
+        {"KVSCOPE_KERNEL_CACHE": str(tmp_path)}, "assert cpu_kernel().ready\n"
+    )
+    assert second.returncode == 0, second.stderr
+    assert "loaded from" in second.stderr and "building" not in second.stderr

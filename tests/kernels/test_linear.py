@@ -1,0 +1,58 @@
+"""Linear layers: each fast weight layout agrees with `F.linear` on the rows that use
+it, and a layout that fails the start-up check falls back to `F.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvscope.kernels import linear
+from kvscope.kernels.linear import WIDE_ROWS, Linear, plan
+
+
+def linears(dtype: torch.dtype, bias: bool = True) -> list[Linear]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for rows, cols in ((96, 64), (40, 96)):
+        weight = torch.randn(rows, cols, generator=generator).to(dtype)
+        b = torch.randn(rows, generator=generator).to(dtype) if bias else None
+        out.append(Linear(weight, b))
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, WIDE_ROWS - 1, WIDE_ROWS, 33])
+def test_bfloat16_layouts_match_f_linear(rows: int) -> None:
+    layers = linears(torch.bfloat16)
+    assert plan(layers) in ("wide", "prepacked")
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    layer = layers[0]
+    ours, ref = layer(x), F.linear(x, layer.weight, layer.bias)
+    assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
+    # Both accumulate in float32; they differ by at most bfloat16 rounding.
+    assert torch.allclose(ours.float(), ref.float(), rtol=1e-2, atol=2e-2)
+
+
+def test_float32_stays_on_f_linear() -> None:
+    layers = linears(torch.float32)
+    assert plan(layers) == "F.linear"
+    assert all(layer.layout() == "plain" for layer in layers)
+    x = torch.randn(7, 64)
+    assert torch.equal(layers[0](x), F.linear(x, layers[0].weight, layers[0].bias))
+
+
+def test_a_layout_that_fails_the_check_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(linear.TOLERANCE, torch.bfloat16, -1.0)  # nothing passes
+    layers = linears(torch.bfloat16, bias=False)
+    assert plan(layers) == "plain"
+    assert "differs from F.linear" in caplog.text
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    assert torch.equal(layers[0](x), F.linear(x, layers[0].weight))
+
+
+def test_the_float32_copies_respect_their_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "WIDE_COPY_BUDGET", 0)
+    monkeypatch.setattr(linear, "_bf16_prepack_supported", lambda: False)
+    assert plan(linears(torch.bfloat16)) == "plain"
