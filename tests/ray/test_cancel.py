@@ -48,7 +48,8 @@ def test_closing_an_sse_stream_cancels_on_the_owner(live: Cluster) -> None:
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_closing_an_openai_stream_cancels_on_the_owner(live: Cluster, route: str) -> None:
-    body: dict[str, Any] = {"stream": True, "max_tokens": 1000, "n": 2, "ignore_eos": True}
+    # Within the small test pools' context: a longer completion is a 400 (issue 14).
+    body: dict[str, Any] = {"stream": True, "max_tokens": 400, "n": 2, "ignore_eos": True}
     if route == "/v1/completions":
         body["prompt"] = "Tell me"
     else:
