@@ -12,12 +12,12 @@ imports no Ray).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from kvscope.web.server import bind_socket
+from tests.web.conftest import wait_for as web_wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 2
@@ -41,18 +42,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
 
 
-def wait_for(
-    predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
-) -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+#: Polls through Ray's proxy get a longer deadline than the single server's.
+wait_for = functools.partial(web_wait_for, timeout=30.0)
 
 
 @attrs.define

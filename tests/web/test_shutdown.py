@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from .conftest import BACKENDS, LONG, sse_events
+from .conftest import BACKENDS, LONG, sse_events, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,10 +159,9 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str, tmp_path: Pat
 
 def _wait_for_worker(url: str) -> int:
     """The model worker's pid, once it is ready (it serves in-process until then)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        pid = httpx.get(url + "/stats").json()["worker_pid"]
-        if pid:
-            return int(pid)
-        time.sleep(0.05)
-    raise AssertionError("the model worker did not start in 120 s")
+    pid = wait_for(
+        lambda: httpx.get(url + "/stats").json()["worker_pid"],
+        timeout=120,
+        what="the model worker to start",
+    )
+    return int(pid)
