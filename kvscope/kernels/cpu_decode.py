@@ -18,6 +18,7 @@ kernel when it is ready and supports the dtype, the fallback otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -42,6 +43,9 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++20", "-shared"
 DTYPES = (torch.float32, torch.bfloat16)
 #: The relative error the start-up check allows against the torch reference.
 CHECK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+#: Builds kept in the cache besides the one in use: other venvs (another torch, another
+#: compiler) may share the cache, so a few recent ones stay; older ones are deleted.
+KEEP_OTHER_BUILDS = 3
 
 Fallback = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -164,6 +168,7 @@ class CpuKernel:
         except OSError as exc:
             self._give_up(f"the build failed ({exc})")
             return
+        prune_builds(path)
         self._load(path, built_in=time.perf_counter() - started)
 
     def _load(self, path: Path, built_in: float | None = None) -> None:
@@ -175,6 +180,8 @@ class CpuKernel:
             self._give_up(f"the kernel at {path} did not load or check out ({exc})")
             return
         self.op = op
+        with contextlib.suppress(OSError):
+            os.utime(path)  # "recent" for `prune_builds` means recently used
         if built_in is not None:
             log.info("CPU paged-attention kernel built in %.0f s; the decode uses it now", built_in)
         else:
@@ -185,6 +192,27 @@ class CpuKernel:
         self.why_not = why
         log.warning("CPU paged attention stays on the torch fallback: %s", why)
         self._done.set()
+
+
+def prune_builds(current: Path, keep: int = KEEP_OTHER_BUILDS) -> list[Path]:
+    """Delete all but the `keep` most recent other builds next to `current` (each
+    source or torch change makes a new one); returns what was deleted. A build in use
+    by another process stays mapped in it after its file is gone."""
+    others = sorted(
+        (p for p in current.parent.glob("paged_decode-*.so") if p != current),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    deleted = []
+    for old in others[keep:]:
+        try:
+            old.unlink()
+            deleted.append(old)
+        except OSError:
+            pass  # another process pruned it first
+    if deleted:
+        log.info("deleted %d old CPU kernel build(s) from %s", len(deleted), current.parent)
+    return deleted
 
 
 def _check(op: Callable[..., None]) -> None:

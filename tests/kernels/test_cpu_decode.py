@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvscope.kernels.attention import reference_decode
-from kvscope.kernels.cpu_decode import compiler, cpu_kernel
+from kvscope.kernels.cpu_decode import compiler, cpu_kernel, prune_builds
 
 # (heads, kv_heads, head_dim, block_size): GQA 2, 4 and 6 to 1, MHA, head sizes that
 # are not a multiple of 8, a block size that is not a power of two.
@@ -172,3 +172,21 @@ def test_the_build_runs_in_the_background_then_takes_over(tmp_path: Path) -> Non
     )
     assert second.returncode == 0, second.stderr
     assert "loaded from" in second.stderr and "building" not in second.stderr
+
+
+def test_old_builds_are_pruned_and_the_current_one_kept(tmp_path: Path) -> None:
+    current = tmp_path / "paged_decode-current.so"
+    current.write_bytes(b"in use")
+    olds = []
+    for age in range(5):  # paged_decode-old0.so is the most recent of them
+        old = tmp_path / f"paged_decode-old{age}.so"
+        old.write_bytes(b"old")
+        os.utime(old, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
+        olds.append(old)
+    os.utime(current, (1, 1))  # the one in use stays however old its file is
+    unrelated = tmp_path / "notes.txt"
+    unrelated.write_text("kept")
+    deleted = prune_builds(current, keep=2)
+    assert sorted(deleted) == sorted(olds[2:])
+    assert current.exists() and unrelated.exists()
+    assert [p.exists() for p in olds] == [True, True, False, False, False]
