@@ -24,7 +24,7 @@ TINY_SHAPE = dict(
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from kvscope.bench.reference_model import build_reference_model
+    from kvscope.bench.core.reference_model import build_reference_model
 
     return build_reference_model(
         tmp_path_factory.mktemp("ckpt") / "tiny-llama", shape=TINY_SHAPE, text_limit=20
