@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any, Self
 
+import attr
 import attrs
 
 #: The version of the JSON files the benchmarks write now.
@@ -29,7 +30,8 @@ class Record:
     """Mixin for attrs classes: `as_dict()`, `from_dict()`, `to_json()`."""
 
     def as_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self, retain_collection_types=False)  # type: ignore[arg-type]
+        # attr.asdict turns tuples into lists (attrs.asdict keeps them).
+        return attr.asdict(self, retain_collection_types=False)  # type: ignore[arg-type]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
