@@ -34,7 +34,7 @@ def missing_keys(original: Any, written: Any, where: str = "") -> list[str]:
     if isinstance(original, list) and isinstance(written, list):
         return [
             m
-            for i, (a, b) in enumerate(zip(original, written))
+            for i, (a, b) in enumerate(zip(original, written, strict=True))
             for m in missing_keys(a, b, f"{where}[{i}]")
         ]
     return []  # fmt: skip
