@@ -20,7 +20,10 @@ from .cancel.records import CancelResult
 from .core.records import read_json
 from .throughput.records import ThroughputResult
 
-RECORDS = {"cancel": CancelResult, "throughput": ThroughputResult}
+RECORDS: dict[str, type[CancelResult] | type[ThroughputResult]] = {
+    "cancel": CancelResult,
+    "throughput": ThroughputResult,
+}
 
 
 def _from_v1(data: dict[str, Any]) -> CancelResult | ThroughputResult:

@@ -111,9 +111,8 @@ def samples(with_cancels: RawRun, baseline: RawRun, keep: set[int]) -> dict[str,
         _latency(with_cancels.records, keep),
         _latency(baseline.records, keep),
     )
-    named = (("ttft_with", ttft_c), ("ttft_without", ttft_b))
-    named += (("itl_with", itl_c), ("itl_without", itl_b))
-    return {name: [round(x * 1e3, 3) for x in v] for name, v in named}
+    named = {"ttft_with": ttft_c, "ttft_without": ttft_b, "itl_with": itl_c, "itl_without": itl_b}
+    return {name: [round(x * 1e3, 3) for x in v] for name, v in named.items()}
 
 
 def delete_hops(deletes: list[StreamRecord], audit: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import anyio
 import attrs
 
 from kvscope import Engine
+from kvscope.models.runner import ModelRunner
 
 from ..core.stats import summary
 from ..core.workload import Workload
@@ -31,7 +32,10 @@ class StepRecorder:
         self.rows: list[tuple[float, float, int, int, float]] = []
         self._model_seconds = 0.0
         self._tokens = 0
-        model = engine.step.runner.model
+        runner = engine.step.runner
+        # The forward is timed in this process: the engine runs with worker="thread".
+        assert isinstance(runner, ModelRunner), "the step overhead needs the in-thread runner"
+        model = runner.model
         forward, logits = model.forward, model.logits
 
         def timed_forward(input_ids, *args, **kwargs):  # runs in the worker thread
@@ -129,7 +133,12 @@ async def run_engine(
     results = []
     overhead: dict[str, StepOverhead] = {}
     async with Engine.open(
-        model, device="cpu", dtype=dtype, model_threads=threads, max_num_seqs=max(max_seqs, 1)
+        model,
+        device="cpu",
+        dtype=dtype,
+        model_threads=threads,
+        max_num_seqs=max(max_seqs, 1),
+        worker="thread",  # `StepRecorder` times the forward in this process
     ) as engine:
         recorder = StepRecorder(engine)
         warm = levels[0][1].prompts[0]

@@ -23,19 +23,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def _tps(level: Level | None) -> float | None:
+    return None if level is None else level.tokens_per_s
+
+
+def _ttft(level: Level | None) -> float | None:
+    return None if level is None else level.ttft_ms.p50
+
+
 def level_headline(ours: Level | None, peer: Level | None, engine: Level | None) -> LevelHeadline:
-    x_vllm = _ratio(ours and ours.tokens_per_s, peer and peer.tokens_per_s)
+    x_vllm = _ratio(_tps(ours), _tps(peer))
     met = ttft_ok = None
     if x_vllm is not None and ours is not None and peer is not None:
         met = x_vllm >= 1
         ours_ttft, peer_ttft = ours.ttft_ms.p50, peer.ttft_ms.p50
         ttft_ok = None if ours_ttft is None or peer_ttft is None else ours_ttft <= peer_ttft
     return LevelHeadline(
-        engine_tokens_per_s=engine and engine.tokens_per_s,
-        kvscope_serve_tokens_per_s=ours and ours.tokens_per_s,
-        vllm_tokens_per_s=peer and peer.tokens_per_s,
-        kvscope_serve_ttft_p50_ms=ours and ours.ttft_ms.p50,
-        vllm_ttft_p50_ms=peer and peer.ttft_ms.p50,
+        engine_tokens_per_s=_tps(engine),
+        kvscope_serve_tokens_per_s=_tps(ours),
+        vllm_tokens_per_s=_tps(peer),
+        kvscope_serve_ttft_p50_ms=_ttft(ours),
+        vllm_ttft_p50_ms=_ttft(peer),
         x_vllm=x_vllm,
         target_vllm_met=met,
         ttft_no_worse=ttft_ok,

@@ -51,4 +51,4 @@ def plot_throughput(r: ThroughputResult, path: Path) -> None:
 
 def _tps(levels: list[Level], c: int) -> float | None:
     level = level_of(levels, c)
-    return level and level.tokens_per_s
+    return None if level is None else level.tokens_per_s

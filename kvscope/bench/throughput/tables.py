@@ -8,7 +8,7 @@ from .records import Level, ServedRun, ThroughputResult, level_of
 
 def _tps(levels: list[Level], c: int) -> float | None:
     level = level_of(levels, c)
-    return level and level.tokens_per_s
+    return None if level is None else level.tokens_per_s
 
 
 def _pct(x: float | None) -> str:
