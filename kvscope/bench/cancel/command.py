@@ -19,6 +19,7 @@ from pathlib import Path
 import anyio
 
 from ..core import machine, servers
+from ..core.options import add_common_arguments, ints
 from ..core.workload import vocab_size_of
 from .figures import figures, read_audit
 from .records import CancelResult, CancelRun
@@ -27,15 +28,7 @@ from .tables import cancel_tables
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="checkpoint dir or tiny-random (default: the reference Llama)"
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
-    p.add_argument(
-        "--threads",
-        default="1",
-        help="model threads of the server (comma-separated, each measured)",
-    )
+    add_common_arguments(p, threads="1")
     p.add_argument(
         "--worker",
         default="thread",
@@ -79,9 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="extra argument for kvscope serve (repeatable)",
     )
-    p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvscope-bench"))
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--plot", type=Path, default=None)
 
 
 def measure(
@@ -129,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config = {k: v for k, v in config.items() if k != "func" and not callable(v)}
     runs = [
-        measure(args, model, vocab, int(threads), worker.strip(), started.cores or 1)
+        measure(args, model, vocab, threads, worker.strip(), started.cores or 1)
         for worker in args.worker.split(",")
-        for threads in args.threads.split(",")
+        for threads in ints(args.threads)
     ]
     result = CancelResult(machine=started.ended(), config=config | {"model": model}, runs=runs)
     print()

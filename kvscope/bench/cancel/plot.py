@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.plots import pyplot
+from ..core.plots import pyplot, save
 from .records import CancelRun
 
 
@@ -46,7 +46,4 @@ def plot_cancel(f: CancelRun, path: Path) -> None:
     ax2.set_ylabel("fraction of samples at or below")
     ax2.set_title("Survivors' latency distributions")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

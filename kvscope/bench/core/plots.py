@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 
 def pyplot():  # -> matplotlib.pyplot
     try:
@@ -12,3 +15,11 @@ def pyplot():  # -> matplotlib.pyplot
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig: Any, path: Path) -> None:
+    """Write `fig` to `path` (a PNG) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)

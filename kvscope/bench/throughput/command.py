@@ -23,6 +23,7 @@ import anyio
 import attrs
 
 from ..core import machine, servers
+from ..core.options import add_common_arguments, ints
 from ..core.workload import Workload, make_prompts, vocab_size_of
 from .engine_run import run_engine
 from .headline import headline
@@ -32,12 +33,7 @@ from .tables import throughput_tables
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint dir or tiny-random (default: the reference Llama, built on first use)",
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    add_common_arguments(p, threads="1,2")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument(
         "--min-requests",
@@ -47,11 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument(
-        "--threads",
-        default="1,2",
-        help="torch threads for the model (comma-separated, each measured)",
-    )
     p.add_argument(
         "--hf-requests", type=int, default=4, help="requests for transformers one at a time"
     )
@@ -69,18 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--level-timeout", type=float, default=600, help="seconds before a level is abandoned"
     )
-    p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvscope-bench"))
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--plot", type=Path, default=None)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def build_levels(args: argparse.Namespace, vocab: int) -> list[tuple[int, Workload]]:
     levels = []
-    for c in _ints(args.concurrency):
+    for c in ints(args.concurrency):
         count = max(c, args.min_requests)
         prompts = make_prompts(count, args.prompt_tokens, vocab, seed=1000 + c)
         levels.append((c, Workload(prompts, args.max_tokens)))
@@ -134,7 +118,7 @@ def serve_phase(args: argparse.Namespace, model: str, levels, threads: int) -> S
         threads=threads,
         dtype=args.dtype,
         log_path=args.log_dir / f"kvscope-serve-{threads}.log",
-        extra=["--max-num-seqs", str(max(_ints(args.concurrency)))],
+        extra=["--max-num-seqs", str(max(ints(args.concurrency)))],
     )
     print(f"kvscope serve (HTTP), {threads} thread(s) ...", flush=True)
     timeout = args.level_timeout
@@ -156,7 +140,7 @@ def hf_phase(
     prompts = make_prompts(args.hf_requests, args.prompt_tokens, vocab, seed=3)
     batches = [(c, w) for c, w in levels if c > 1]
     runs = []
-    for threads in _ints(args.threads):
+    for threads in ints(args.threads):
         print(f"transformers, {threads} thread(s) ...", flush=True)
         one = Workload(prompts, args.max_tokens)
         runs.append(hf_peer.run_hf(model, threads, one, batches, dtype=args.dtype))
@@ -176,7 +160,7 @@ def vllm_phase(
         print(f"vLLM peer MISSING: {why}", flush=True)
         return [], None
     runs = []
-    for threads in _ints(args.threads):
+    for threads in ints(args.threads):
         log = args.log_dir / f"vllm-{threads}.log"
         server = vllm_peer.vllm_server(python, model, threads=threads, log_path=log)
         print(f"vLLM CPU, {threads} thread(s) (starting takes about a minute) ...", flush=True)
@@ -197,9 +181,9 @@ def config_of(args: argparse.Namespace, model: str, levels) -> Config:
         dtype=args.dtype,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
-        concurrency=_ints(args.concurrency),
+        concurrency=ints(args.concurrency),
         requests_per_level={str(c): w.num_requests for c, w in levels},
-        threads=_ints(args.threads),
+        threads=ints(args.threads),
         hf_requests=args.hf_requests,
     )
 
@@ -212,13 +196,13 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
     started, t0 = machine.describe(), time.perf_counter()
     missing: dict[str, str] = {}
     engine_runs = []
-    for threads in _ints(args.threads):
+    for threads in ints(args.threads):
         print(f"kvscope engine, {threads} thread(s) ...", flush=True)
         engine = partial(run_engine, model, threads, levels, dtype=args.dtype)
         engine_runs.append(anyio.run(partial(engine, timeout=args.level_timeout)))
     served = []
     if "kvscope-serve" in peers:
-        served = [serve_phase(args, model, levels, t) for t in _ints(args.threads)]
+        served = [serve_phase(args, model, levels, t) for t in ints(args.threads)]
     hf = hf_phase(args, model, vocab, levels, missing) if "transformers" in peers else []
     vllm, vllm_version = vllm_phase(args, model, levels, missing) if "vllm" in peers else ([], None)
     return ThroughputResult(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.plots import pyplot
+from ..core.plots import pyplot, save
 from .records import Level, ThroughputResult, level_of
 
 
@@ -43,10 +43,7 @@ def plot_throughput(r: ThroughputResult, path: Path) -> None:
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput (HF generate: one at a time at 1, static batch above)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _tps(levels: list[Level], c: int) -> float | None:
