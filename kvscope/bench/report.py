@@ -5,7 +5,8 @@ records fails here rather than in a reader's head. Files of format 2 load as wri
 Files without a `format` key (format 1: written before the records, as untyped dicts)
 load through `_from_v1`: their fields are those of the records, minus the ones added
 since (which default to None), except the throughput headline, whose shape changed
-once; it is derived from the levels, so it is recomputed.
+once; it is derived from the levels, so it is recomputed. A cancel run's `worker` is
+read from the `--server-arg`s it was given.
 """
 
 from __future__ import annotations
@@ -33,7 +34,19 @@ def _from_v1(data: dict[str, Any]) -> CancelResult | ThroughputResult:
 
         result = ThroughputResult.from_dict({k: v for k, v in data.items() if k != "headline"})
         return attrs.evolve(result, headline=headline(result))
-    return RECORDS[data["benchmark"]].from_dict(data)
+    result = CancelResult.from_dict(data)
+    worker = _worker_of(result.config.get("server_arg") or [])
+    return attrs.evolve(result, runs=[attrs.evolve(r, worker=worker) for r in result.runs])
+
+
+def _worker_of(server_args: list[str]) -> str | None:
+    """The `--worker` a format-1 run passed to `kvscope serve` (None: the default then)."""
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--worker="):
+            return arg.partition("=")[2]
+        if arg == "--worker" and i + 1 < len(server_args):
+            return server_args[i + 1]
+    return None
 
 
 def load(path: Path) -> CancelResult | ThroughputResult:

@@ -88,3 +88,13 @@ def test_peer_launchers_stay_out_of_other_commands() -> None:
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_format_1_cancel_run_knows_its_worker() -> None:
+    """Format 1 had no `worker` field: it is read from the `--server-arg`s of the run."""
+    workers = {p.name: [r.worker for r in load(p).runs] for p in SAVED if "worker" in p.name}
+    assert workers == {
+        "cancel-2026-11-30-worker-process-128.json": ["process"],
+        "cancel-2026-11-30-worker-process.json": ["process"],
+        "cancel-2026-11-30-worker-thread.json": ["thread"],
+    }
