@@ -32,11 +32,11 @@ def _from_v1(data: dict[str, Any]) -> CancelResult | ThroughputResult:
     if data.get("benchmark") == "throughput":
         from .throughput.headline import headline
 
-        result = ThroughputResult.from_dict({k: v for k, v in data.items() if k != "headline"})
-        return attrs.evolve(result, headline=headline(result))
-    result = CancelResult.from_dict(data)
-    worker = _worker_of(result.config.get("server_arg") or [])
-    return attrs.evolve(result, runs=[attrs.evolve(r, worker=worker) for r in result.runs])
+        served = ThroughputResult.from_dict({k: v for k, v in data.items() if k != "headline"})
+        return attrs.evolve(served, headline=headline(served))
+    cancel = CancelResult.from_dict(data)
+    worker = _worker_of(cancel.config.get("server_arg") or [])
+    return attrs.evolve(cancel, runs=[attrs.evolve(r, worker=worker) for r in cancel.runs])
 
 
 def _worker_of(server_args: list[str]) -> str | None:
