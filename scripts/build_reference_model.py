@@ -14,7 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from kvscope.bench.reference_model import DEFAULT_DIR, build_reference_model
+from kvscope.bench.core.reference_model import DEFAULT_DIR, build_reference_model
 
 
 def main() -> None:

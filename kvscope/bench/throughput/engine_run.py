@@ -11,14 +11,17 @@ batch building, the thread hop, sampling, delivering tokens).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import anyio
+import attrs
 
 from kvscope import Engine
+from kvscope.models.runner import ModelRunner
 
-from .stats import summary
-from .workload import Workload
+from ..core.stats import summary
+from ..core.workload import Workload
+from .levels import Timing, level_figures
+from .records import EngineRun, Level, StepOverhead
 
 
 class StepRecorder:
@@ -29,7 +32,10 @@ class StepRecorder:
         self.rows: list[tuple[float, float, int, int, float]] = []
         self._model_seconds = 0.0
         self._tokens = 0
-        model = engine.step.runner.model
+        runner = engine.step.runner
+        # The forward is timed in this process: the engine runs with worker="thread".
+        assert isinstance(runner, ModelRunner), "the step overhead needs the in-thread runner"
+        model = runner.model
         forward, logits = model.forward, model.logits
 
         def timed_forward(input_ids, *args, **kwargs):  # runs in the worker thread
@@ -56,7 +62,7 @@ class StepRecorder:
     def clear(self) -> None:
         self.rows.clear()
 
-    def overhead(self, batch: int) -> dict[str, Any] | None:
+    def overhead(self, batch: int) -> StepOverhead | None:
         """Median figures over decode-only steps of `batch` sequences followed by another step."""
         walls, executes, models, shares = [], [], [], []
         for row, following in zip(self.rows, self.rows[1:], strict=False):
@@ -72,22 +78,20 @@ class StepRecorder:
             shares.append(1 - model / wall)
         if not walls:
             return None
-        return {
-            "batch": batch,
-            "steps": len(walls),
-            "step_ms": summary(walls, 1e3)["p50"],
-            "runner_ms": summary(executes, 1e3)["p50"],
-            "model_forward_ms": summary(models, 1e3)["p50"],
-            "outside_forward_share": summary(shares)["p50"],
-            "outside_forward_share_p90": summary(shares)["p90"],
-            "event_loop_share": summary([1 - e / w for e, w in zip(executes, walls, strict=True)])[
-                "p50"
-            ],
-        }
+        return StepOverhead(
+            batch=batch,
+            steps=len(walls),
+            step_ms=summary(walls, 1e3).p50,
+            runner_ms=summary(executes, 1e3).p50,
+            model_forward_ms=summary(models, 1e3).p50,
+            outside_forward_share=summary(shares).p50,
+            outside_forward_share_p90=summary(shares).p90,
+            event_loop_share=summary([1 - e / w for e, w in zip(executes, walls, strict=True)]).p50,
+        )
 
 
 async def _one(
-    engine: Engine, prompt: list[int], max_tokens: int, limit: anyio.Semaphore, out: list
+    engine: Engine, prompt: list[int], max_tokens: int, limit: anyio.Semaphore, out: list[Timing]
 ) -> None:
     async with limit:
         t0 = time.perf_counter()
@@ -100,35 +104,12 @@ async def _one(
                 if delta.token_ids:
                     times.append(time.perf_counter())
                     tokens += len(delta.token_ids)
-        out.append({"start": t0, "token_times": times, "tokens": tokens})
+        out.append(Timing(t0, times, tokens))
 
 
-def level_figures(concurrency: int, records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    """One concurrency level's throughput and latency figures (engine or HTTP runs)."""
-    tokens = sum(r["tokens"] for r in records)
-    return {
-        "concurrency": concurrency,
-        "requests": len(records),
-        "output_tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 1),
-        **request_figures(records),
-    }
-
-
-def request_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
-    ttft = [r["token_times"][0] - r["start"] for r in records if r["token_times"]]
-    itl = [
-        b - a for r in records for a, b in zip(r["token_times"], r["token_times"][1:], strict=False)
-    ]
-    return {"ttft_ms": summary(ttft, 1e3), "itl_ms": summary(itl, 1e3)}
-
-
-async def run_level(
-    engine: Engine, workload: Workload, concurrency: int, timeout: float
-) -> dict[str, Any]:
+async def run_level(engine: Engine, workload: Workload, concurrency: int, timeout: float) -> Level:
     limit = anyio.Semaphore(concurrency)
-    records: list[dict[str, Any]] = []
+    records: list[Timing] = []
     t0 = time.perf_counter()
     with anyio.fail_after(timeout):
         async with anyio.create_task_group() as tg:
@@ -146,13 +127,18 @@ async def run_engine(
     dtype: str,
     timeout: float,
     warmup_tokens: int = 8,
-) -> dict[str, Any]:
+) -> EngineRun:
     """All concurrency levels on one engine with `threads` torch threads."""
     max_seqs = max(c for c, _ in levels)
     results = []
-    overhead: dict[str, Any] = {}
+    overhead: dict[str, StepOverhead] = {}
     async with Engine.open(
-        model, device="cpu", dtype=dtype, model_threads=threads, max_num_seqs=max(max_seqs, 1)
+        model,
+        device="cpu",
+        dtype=dtype,
+        model_threads=threads,
+        max_num_seqs=max(max_seqs, 1),
+        worker="thread",  # `StepRecorder` times the forward in this process
     ) as engine:
         recorder = StepRecorder(engine)
         warm = levels[0][1].prompts[0]
@@ -166,8 +152,9 @@ async def run_engine(
                 overhead[str(concurrency)] = figures
             print(
                 f"  kvscope threads={threads} concurrency={concurrency}: "
-                f"{level['tokens_per_s']:.0f} tok/s, ITL p50 {level['itl_ms']['p50']} ms",
+                f"{level.tokens_per_s:.0f} tok/s, ITL p50 {level.itl_ms.p50} ms",
                 flush=True,
             )
         stats = engine.stats()
-    return {"threads": threads, "levels": results, "step_overhead": overhead, "stats_after": stats}
+        stats = stats if isinstance(stats, dict) else attrs.asdict(stats)
+    return EngineRun(threads=threads, levels=results, step_overhead=overhead, stats_after=stats)

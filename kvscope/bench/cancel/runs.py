@@ -1,0 +1,129 @@
+"""Driving one `kvscope serve` through `bench cancel`'s runs.
+
+`bench_server` starts the server, warms it up, then runs `--rounds` pairs (with
+cancels, baseline; alternating which goes first) and pools each kind's samples. Each
+run opens every stream at once on one `aiohttp` session, polls `GET /stats` beside
+them, scrapes `/metrics` before and after (for the loop-lag histogram of the run alone)
+and times the client's own CPU. `settle` reads `/stats` once nothing is live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import aiohttp
+import anyio
+
+from ..core import prometheus
+from ..core.http import CpuClock, session
+from ..core.servers import Server
+from ..core.workload import Deadline
+from .client import Plan, poll_stats, run_stream
+from .plans import make_plans
+from .records import RawRun, StreamRecord
+
+LAG = "kvscope_event_loop_lag_seconds"
+
+
+async def _lag_histogram(client: aiohttp.ClientSession) -> dict[float, float]:
+    async with client.get("/metrics") as response:
+        return prometheus.histogram(await response.text(), LAG)
+
+
+async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) -> RawRun:
+    records: list[StreamRecord] = []
+    timeline: list[dict[str, Any]] = []
+    stop = anyio.Event()
+    connections = 2 * len(plans) + 8  # a stream and a DELETE each, the poller, spare
+    async with session(base_url, timeout=args.run_timeout, connections=connections) as client:
+        lag_before = await _lag_histogram(client)
+        clock = CpuClock()
+        origin = clock.wall0
+
+        async def one(plan: Plan) -> None:
+            records.append(await run_stream(client, plan, args.max_tokens, origin))
+
+        with anyio.fail_after(args.run_timeout):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(poll_stats, client, args.stats_interval, origin, stop, timeline)
+                async with anyio.create_task_group() as streams:
+                    for plan in plans:
+                        streams.start_soon(one, plan)
+                wall, cpu = clock.wall, clock.cpu
+                stop.set()
+        lag = prometheus.window(lag_before, await _lag_histogram(client))
+    return RawRun(
+        wall_s=round(wall, 3),
+        records=sorted(records, key=lambda r: r.index),
+        timeline=timeline,
+        loop_lag_buckets=lag,
+        client_cpu_s=cpu,
+    )
+
+
+async def settle(base_url: str, timeout: float = 30) -> dict[str, Any]:
+    """`GET /stats` once no request is live (or after `timeout` s), plus `/health`."""
+    deadline = Deadline(timeout)
+    async with session(base_url, timeout=10) as client:
+        while True:
+            async with client.get("/stats") as response:
+                stats = await response.json()
+            if stats.get("live_requests", 0) == 0 or deadline.passed:
+                break
+            await anyio.sleep(0.1)
+        async with client.get("/health") as response:
+            text = await response.text()
+    try:
+        health: Any = json.loads(text)
+    except ValueError:
+        health = text[:200]
+    return {"stats": stats, "health": health}
+
+
+async def warm_up(server: Server, args: argparse.Namespace, vocab: int) -> None:
+    """Up to 8 requests of the real shape (8 tokens each), so that neither measured run
+    pays first-use costs."""
+    warm = make_plans(args, vocab, 99, False)[:8]
+    async with (
+        session(server.base_url, timeout=args.run_timeout) as client,
+        anyio.create_task_group() as tg,
+    ):
+        for plan in warm:
+            tg.start_soon(run_stream, client, plan, 8, time.perf_counter())
+
+
+async def bench_server(
+    server: Server, args: argparse.Namespace, vocab: int
+) -> tuple[RawRun, RawRun, dict[str, Any]]:
+    """(with cancels, baseline, after) of one server, the rounds pooled."""
+    runs: dict[str, list[RawRun]] = {"with_cancels": [], "baseline": []}
+    async with server:
+        await warm_up(server, args, vocab)
+        for i in range(args.rounds):
+            order = ("with_cancels", "baseline") if i % 2 == 0 else ("baseline", "with_cancels")
+            for name in order:
+                print(f"  round {i + 1}/{args.rounds}: {name.replace('_', ' ')} ...", flush=True)
+                seed = args.seed + 1 + 2 * i + (name == "baseline")  # fresh prompts every run
+                plans = make_plans(args, vocab, seed, name != "baseline")
+                runs[name].append(await one_run(server.base_url, plans, args))
+        after = await settle(server.base_url)
+    return merge(runs["with_cancels"]), merge(runs["baseline"]), after
+
+
+def merge(parts: list[RawRun]) -> RawRun:
+    """Pool the records and the lag histograms of several runs; keep the first timeline."""
+    lag: dict[float, float] = {}
+    for part in parts:
+        for le, n in part.loop_lag_buckets.items():
+            lag[le] = lag.get(le, 0.0) + n
+    return RawRun(
+        wall_s=round(sum(p.wall_s for p in parts), 3),
+        records=[r for p in parts for r in p.records],
+        timeline=parts[0].timeline,
+        loop_lag_buckets=lag,
+        client_cpu_s=sum(p.client_cpu_s for p in parts),
+        rounds=len(parts),
+    )

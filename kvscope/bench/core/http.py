@@ -1,0 +1,83 @@
+"""The HTTP client side every benchmark shares: a light `aiohttp` session, readiness
+polling, and the client's own CPU seconds.
+
+The client shares the machine's cores with the server it measures, so it is light:
+`aiohttp` (not httpx, which was heavy enough to halve a peer's figure), one JSON parse
+per SSE event, and its own CPU seconds reported with every run (`CpuClock`). Only ever
+pointed at 127.0.0.1. aiohttp runs on asyncio only: the benchmarks drive it with
+`anyio.run`'s default backend.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from urllib.parse import urlsplit
+
+import aiohttp
+import anyio
+
+from .workload import Deadline
+
+
+def check_local(base_url: str) -> None:
+    host = urlsplit(base_url).hostname
+    if host not in ("127.0.0.1", "localhost"):
+        raise SystemExit(f"benchmarks only send traffic to 127.0.0.1, not {host}")
+
+
+async def served_model(base_url: str) -> str:
+    """The model id the server at `base_url` answers to (its `GET /v1/models`): an
+    OpenAI-compatible server refuses any other name."""
+    async with (
+        aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.get("/v1/models") as response,
+    ):
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
+
+
+async def wait_ready(base_url: str, path: str, timeout: float, alive=lambda: True) -> None:
+    """Poll `path` until it answers 200, the process dies, or `timeout` s pass."""
+    deadline = Deadline(timeout)
+    async with aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while not deadline.passed:
+            if not alive():
+                raise RuntimeError(f"the server at {base_url} exited while starting")
+            try:
+                async with session.get(path) as response:
+                    if response.status == 200:
+                        return
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            await anyio.sleep(0.1)
+    raise TimeoutError(f"{base_url}{path} was not ready after {timeout:.0f} s")
+
+
+def session(base_url: str, *, timeout: float, connections: int = 100) -> aiohttp.ClientSession:
+    """A session for `base_url` (127.0.0.1 only) with room for `connections` at once."""
+    check_local(base_url)
+    return aiohttp.ClientSession(
+        base_url,
+        connector=aiohttp.TCPConnector(limit=connections),
+        timeout=aiohttp.ClientTimeout(total=timeout),
+    )
+
+
+class CpuClock:
+    """This process's CPU seconds and wall seconds since it was made (the benchmark's
+    client runs nothing else meanwhile), and their share of the machine."""
+
+    def __init__(self) -> None:
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+
+    @property
+    def wall(self) -> float:
+        return time.perf_counter() - self.wall0
+
+    @property
+    def cpu(self) -> float:
+        return time.process_time() - self.cpu0
+
+    def share(self) -> float:
+        return self.cpu / (max(self.wall, 1e-9) * (os.cpu_count() or 1))

@@ -1,0 +1,163 @@
+"""The records of `bench throughput` (written to the JSON, read back by `bench report`).
+
+A `Level` is one concurrency's figures, the same for the engine in-process and for a
+served system over HTTP (only the latter has the client's CPU). Fields added after the
+first recorded files (cold start, settings, load average) default to None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ..core.machine import Machine
+from ..core.records import FORMAT, Record
+from ..core.servers import ServerSettings
+from ..core.stats import Summary
+
+
+@attrs.frozen(kw_only=True)
+class Level(Record):
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_ms: Summary
+    itl_ms: Summary
+    #: The HTTP client's own CPU seconds over the level, and their share of the machine.
+    client_cpu_s: float | None = None
+    client_cpu_share: float | None = None
+
+
+def level_of(levels: list[Level], concurrency: int) -> Level | None:
+    return next((lv for lv in levels if lv.concurrency == concurrency), None)
+
+
+@attrs.frozen(kw_only=True)
+class StepOverhead(Record):
+    """Medians over decode-only steps of one batch size (see `engine_run`)."""
+
+    batch: int
+    steps: int
+    step_ms: float | None
+    runner_ms: float | None
+    model_forward_ms: float | None
+    outside_forward_share: float | None
+    outside_forward_share_p90: float | None
+    event_loop_share: float | None
+
+
+@attrs.frozen(kw_only=True)
+class EngineRun(Record):
+    threads: int
+    levels: list[Level]
+    step_overhead: dict[str, StepOverhead]
+    #: `engine.stats()` after the last level.
+    stats_after: dict[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class ColdStart(Record):
+    """Seconds from spawning the server to its answering, and to its first token."""
+
+    ready_s: float
+    first_token_s: float
+
+
+@attrs.frozen(kw_only=True)
+class LoadAround(Record):
+    before: list[float] | None
+    after: list[float] | None
+
+
+@attrs.frozen(kw_only=True)
+class ServedRun(Record):
+    threads: int
+    levels: list[Level]
+    cold_start: ColdStart | None = None
+    settings: ServerSettings | None = None
+    load_average: LoadAround | None = None
+
+
+@attrs.frozen(kw_only=True)
+class HfOneAtATime(Record):
+    requests: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+
+
+@attrs.frozen(kw_only=True)
+class HfBatch(Record):
+    batch: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+
+
+@attrs.frozen(kw_only=True)
+class HfRun(Record):
+    threads: int
+    one_at_a_time: HfOneAtATime
+    static_batch: list[HfBatch]
+
+
+@attrs.frozen(kw_only=True)
+class Config(Record):
+    model: str
+    dtype: str
+    prompt_tokens: int
+    max_tokens: int
+    concurrency: list[int]
+    requests_per_level: dict[str, int]
+    threads: list[int]
+    hf_requests: int
+    temperature: float = 0
+    ignore_eos: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class LevelHeadline(Record):
+    """kvscope served against vLLM served at one concurrency (the engine beside)."""
+
+    engine_tokens_per_s: float | None
+    kvscope_serve_tokens_per_s: float | None
+    vllm_tokens_per_s: float | None
+    kvscope_serve_ttft_p50_ms: float | None
+    vllm_ttft_p50_ms: float | None
+    x_vllm: float | None
+    target_vllm_met: bool | None = None
+    ttft_no_worse: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ThreadsHeadline(Record):
+    levels: dict[str, LevelHeadline]
+    transformers_one_at_a_time_tokens_per_s: float | None = None
+    x_transformers_one_at_a_time: float | None = None
+    target_3x_transformers_met: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Headline(Record):
+    concurrency: int
+    by_threads: dict[str, ThreadsHeadline]
+
+
+@attrs.frozen(kw_only=True)
+class ThroughputResult(Record):
+    machine: Machine
+    config: Config
+    #: The engine in-process, per thread count (never the target, shown beside it).
+    kvscope: list[EngineRun]
+    #: Peers that could not run, and why.
+    missing: dict[str, str] = attrs.field(factory=dict)
+    kvscope_serve: list[ServedRun] = attrs.field(factory=list)
+    vllm: list[ServedRun] = attrs.field(factory=list)
+    transformers: list[HfRun] = attrs.field(factory=list)
+    elapsed_s: float | None = None
+    headline: Headline | None = None
+    benchmark: str = "throughput"
+    format: int = FORMAT

@@ -1,0 +1,152 @@
+"""The text tables `bench throughput` prints (markdown, so they paste into docs/benchmarks)."""
+
+from __future__ import annotations
+
+from ..core.tables import table
+from .records import Level, ServedRun, ThroughputResult, level_of
+
+
+def _tps(levels: list[Level], c: int) -> float | None:
+    level = level_of(levels, c)
+    return None if level is None else level.tokens_per_s
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def tokens_table(r: ThroughputResult) -> list[str]:
+    conc = r.config.concurrency
+    vllm = f"vLLM CPU {r.machine.vllm or ''} (HTTP)"
+    rows: list[list[object]] = []
+    for label, runs in (("kvscope serve (HTTP)", r.kvscope_serve), (vllm, r.vllm)):
+        rows += [[label, run.threads, *[_tps(run.levels, c) for c in conc]] for run in runs]
+    for engine in r.kvscope:
+        label = "kvscope (engine API, in-process)"
+        rows.append([label, engine.threads, *[_tps(engine.levels, c) for c in conc]])
+    for hf in r.transformers:
+        one = hf.one_at_a_time.tokens_per_s
+        static = {b.batch: b.tokens_per_s for b in hf.static_batch}
+        rows.append(
+            [
+                "transformers generate, one at a time",
+                hf.threads,
+                *[one if c == 1 else None for c in conc],
+            ]
+        )
+        rows.append(
+            ["transformers generate, static batch", hf.threads, *[static.get(c) for c in conc]]
+        )
+    headers = ["system", "threads", *[f"{c} concurrent" for c in conc]]
+    return ["Output tokens/s (higher is better)", "", table(headers, rows)]  # fmt: skip
+
+
+def latency_table(r: ThroughputResult) -> list[str]:
+    rows = []
+    systems = (
+        ("kvscope serve (HTTP)", r.kvscope_serve),
+        ("vLLM CPU (HTTP)", r.vllm),
+        ("kvscope (engine API)", r.kvscope),
+    )
+    for label, runs in systems:
+        for run in runs:
+            for lv in run.levels:
+                ttft, itl = lv.ttft_ms, lv.itl_ms
+                cpu = "-" if lv.client_cpu_s is None else lv.client_cpu_s
+                row = [label, run.threads, lv.concurrency, ttft.p50, ttft.p99, itl.p50, itl.p99]
+                rows.append([*row, cpu, _pct(lv.client_cpu_share)])
+    headers = ["system", "threads", "concurrent", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    return [
+        "",
+        "Latency (ms); the HTTP client's CPU seconds and share of the machine over the level",
+        "",
+        table([*headers, "client CPU s", "client share"], rows),
+    ]
+
+
+def _start_row(label: str, run: ServedRun) -> list[object]:
+    cold, load, settings = run.cold_start, run.load_average, run.settings
+    env = " ".join(f"{k}={v}" for k, v in settings.env.items()) if settings else ""
+    return [
+        label,
+        run.threads,
+        cold and cold.ready_s,
+        cold and cold.first_token_s,
+        load and load.before,
+        load and load.after,
+        env or "-",
+    ]
+
+
+def servers_table(r: ThroughputResult) -> list[str]:
+    rows = [_start_row("kvscope serve", run) for run in r.kvscope_serve]
+    rows += [_start_row("vLLM CPU", run) for run in r.vllm]
+    headers = ["server", "threads", "ready s", "first token s", "load before", "load after", "env"]
+    return [
+        "",
+        "Servers: seconds from spawning to answering and to the first token; "
+        "load average around the phase",
+        "",
+        table(headers, rows),
+    ]
+
+
+def overhead_table(r: ThroughputResult) -> list[str]:
+    rows = [
+        [
+            run.threads,
+            f.batch,
+            f.steps,
+            f.step_ms,
+            f.runner_ms,
+            f.model_forward_ms,
+            _pct(f.outside_forward_share),
+            _pct(f.event_loop_share),
+        ]
+        for run in r.kvscope
+        for f in run.step_overhead.values()
+    ]
+    headers = ["threads", "batch", "steps", "step ms", "runner ms", "model forward ms"]
+    headers += ["outside forward", "outside runner (event loop)"]
+    return ["", "Step loop overhead (decode steps, medians)", "", table(headers, rows)]
+
+
+def headline_tables(r: ThroughputResult) -> list[str]:
+    if r.headline is None:
+        return []
+    rows = [
+        [t, c, f.kvscope_serve_tokens_per_s, f.vllm_tokens_per_s, f.x_vllm, f.target_vllm_met,
+         f.kvscope_serve_ttft_p50_ms, f.vllm_ttft_p50_ms, f.ttft_no_worse, f.engine_tokens_per_s]
+        for t, h in r.headline.by_threads.items()
+        for c, f in h.levels.items()
+    ]  # fmt: skip
+    headers = ["threads", "concurrent", "kvscope serve tok/s", "vLLM tok/s", "x vLLM", ">= vLLM?"]
+    headers += ["kvscope TTFT p50", "vLLM TTFT p50", "TTFT no worse?", "engine tok/s"]
+    out = [
+        "",
+        "Targets: kvscope served against vLLM served (the engine in-process beside, not a target)",
+        "",
+        table(headers, rows),
+    ]
+    x_rows = [
+        [t, h.x_transformers_one_at_a_time, h.target_3x_transformers_met]
+        for t, h in r.headline.by_threads.items()
+        if h.x_transformers_one_at_a_time is not None
+    ]
+    if x_rows:
+        top = r.headline.concurrency
+        out += [
+            "",
+            f"kvscope (served where run) at {top} concurrent against transformers one at a time",
+            "",
+            table(["threads", "x transformers", ">= 3x?"], x_rows),
+        ]
+    return out
+
+
+def throughput_tables(r: ThroughputResult) -> str:
+    out = [f"kvscope revision {r.machine.kvscope_revision}", ""]
+    out += tokens_table(r) + latency_table(r) + servers_table(r) + overhead_table(r)
+    out += headline_tables(r)
+    out += [f"\nPEER MISSING: {peer}: {why}" for peer, why in r.missing.items()]
+    return "\n".join(out)
