@@ -32,12 +32,11 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any, Protocol
 
 import anyio
-from prometheus_client.utils import floatToGoString
 
 from kvscope import Engine
 from kvscope.web.app import create_app
@@ -45,7 +44,19 @@ from kvscope.web.context import ServerContext, call_deadline
 from kvscope.web.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 
-from .ids import REPLICA_HEADER, owner_of, routing_key
+from .ids import REPLICA_HEADER, routing_key
+from .merge import merge_metrics, merge_stats
+from .messages import (
+    Message,
+    Receive,
+    Send,
+    capture,
+    error_body,
+    json_answer,
+    parent_owner,
+    replay,
+    replay_body,
+)
 
 log = logging.getLogger("kvscope.replicas")
 
@@ -59,10 +70,6 @@ FORWARDED_HEADER = b"x-kvscope-forwarded"
 DISCONNECT_GRACE = 5.0
 #: How early, at most, a cut call counts as timed out (see `__call__`).
 TIMEOUT_SLACK = 0.25
-
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 
 class Peers(Protocol):
@@ -100,7 +107,9 @@ class ReplicaApp:
             await self._lifespan(receive, send)
             return
         if self._app is None:  # a call after the lifespan ended (Serve routes none before)
-            await _json(send, 503, _error("the replica is not serving", "unavailable_error"))
+            await json_answer(
+                send, 503, error_body("the replica is not serving", "unavailable_error")
+            )
             return
         timeout = _timeout(scope.get("headers", ()), self.request_timeout)
         if timeout is not None:
@@ -212,19 +221,19 @@ class ReplicaApp:
                 f"no request {request_id!r}: it belongs to replica {target}, which is not "
                 "running (it died or was replaced, and its requests with it)"
             )
-            await _json(send, 404, _error(message, "not_found_error"))
+            await json_answer(send, 404, error_body(message, "not_found_error"))
             return True
         if method == "GET" and path in GATHERED and target is None:
             await self._aggregate(path, scope, receive, send)
             return True
         if method == "GET" and path == "/stats":  # this replica's own, named
-            answer = await _capture(self._app, scope, receive)
+            answer = await capture(self._app, scope, receive)
             if answer["status"] != 200:
-                await _replay(answer["messages"], send)
+                await replay(answer["messages"], send)
             else:
                 stats = json.loads(answer["body"])
                 stats.update(replica=self.replica, pid=os.getpid())
-                await _json(self._tagged(send), 200, stats)
+                await json_answer(self._tagged(send), 200, stats)
             return True
         if method == "POST" and path == "/generate":
             return await self._forward_to_parent(scope, receive, send)
@@ -232,17 +241,17 @@ class ReplicaApp:
 
     async def _aggregate(self, path: str, scope: Message, receive: Receive, send: Send) -> None:
         # Authentication first: the local app answers 401 for a bad key.
-        probe = await _capture(self._app, {**scope}, receive)
+        probe = await capture(self._app, {**scope}, receive)
         if probe["status"] != 200:
-            await _replay(probe["messages"], send)
+            await replay(probe["messages"], send)
             return
         auth = [(k, v) for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
         bodies = await self.peers.each(path, auth)
         if path == "/stats":
-            await _json(send, 200, merge_stats({r: json.loads(b) for r, b in bodies.items()}))
+            await json_answer(send, 200, merge_stats({r: json.loads(b) for r, b in bodies.items()}))
         elif path == "/requests":
             live = [item for body in bodies.values() for item in json.loads(body)["requests"]]
-            await _json(send, 200, {"requests": live})
+            await json_answer(send, 200, {"requests": live})
         else:
             text = merge_metrics({r: b.decode() for r, b in bodies.items()})
             await send(
@@ -262,12 +271,12 @@ class ReplicaApp:
                 return True
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        owner = _parent_owner(body)
+        owner = parent_owner(body)
         forwarded = any(k.lower() == FORWARDED_HEADER for k, _ in scope.get("headers", ()))
         # A forwarded call runs here even if this is not (or no longer) the owner: the
         # engine then answers 404 for the parent, and nothing is forwarded twice.
         if owner is None or owner == self.replica or forwarded:
-            await self._call_app(scope, _replay_body(body, receive), self._tagged(send))
+            await self._call_app(scope, replay_body(body, receive), self._tagged(send))
             return True
         # Closed in this task however the loop ends: a cancelled call (the client went
         # away) closes the forward's connection, which the owner sees as a disconnect.
@@ -295,54 +304,6 @@ class ReplicaApp:
         return send_tagged
 
 
-def merge_stats(per_replica: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The sum of every replica's numeric figures, and each replica's own under `replicas`."""
-    total: dict[str, Any] = {}
-    for stats in per_replica.values():
-        for name, value in stats.items():
-            if name == "pid":
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                total[name] = total.get(name, 0) + value
-    return {**total, "replicas": per_replica}
-
-
-def merge_metrics(per_replica: dict[str, str]) -> str:
-    """Every replica's Prometheus text as one exposition, each sample labelled `replica`."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families: dict[str, Any] = {}
-    for replica, text in sorted(per_replica.items()):
-        for family in text_string_to_metric_families(text):
-            merged = families.setdefault(family.name, family)
-            if merged is not family:
-                merged.samples.extend(_labelled(family.samples, replica))
-            else:
-                family.samples[:] = _labelled(family.samples, replica)
-    lines: list[str] = []
-    for family in families.values():
-        name = family.name
-        if family.type == "counter":
-            name_total = name + "_total"
-            lines.append(f"# HELP {name_total} {family.documentation}")
-            lines.append(f"# TYPE {name_total} counter")
-        else:
-            lines.append(f"# HELP {name} {family.documentation}")
-            lines.append(f"# TYPE {name} {family.type}")
-        for sample in family.samples:
-            labels = ",".join(f'{key}="{_escape(value)}"' for key, value in sample.labels.items())
-            lines.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _labelled(samples: list[Any], replica: str) -> list[Any]:
-    return [s._replace(labels={"replica": replica, **s.labels}) for s in samples]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def _timeout(headers: Any, default: float | None) -> float | None:
     for name, value in headers:
         if name.lower() == TIMEOUT_HEADER:
@@ -354,65 +315,4 @@ def _timeout(headers: Any, default: float | None) -> float | None:
     return default
 
 
-def _parent_owner(body: bytes) -> str | None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None  # the local app answers the 400
-    parent = data.get("parent") if isinstance(data, dict) else None
-    return owner_of(parent) if isinstance(parent, str) else None
-
-
-def _replay_body(body: bytes, then: Receive) -> Receive:
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await then()
-
-    return receive
-
-
-async def _capture(app: Any, scope: Message, receive: Receive) -> Message:
-    messages: list[Message] = []
-
-    async def send(message: Message) -> None:
-        messages.append(message)
-
-    await app(scope, receive, send)
-    start = next(m for m in messages if m["type"] == "http.response.start")
-    headers = dict(start.get("headers", []))
-    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
-    return {
-        "status": start["status"],
-        "content_type": headers.get(b"content-type", b"").decode(),
-        "body": body,
-        "messages": messages,
-    }
-
-
-async def _replay(messages: list[Message], send: Send) -> None:
-    for message in messages:
-        await send(message)
-
-
-def _error(message: str, type_: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_}}
-
-
-async def _json(send: Send, status: int, body: Any) -> None:
-    data = json.dumps(body, separators=(",", ":")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
-__all__ = ["REPLICA_HEADER", "Peers", "ReplicaApp", "merge_metrics", "merge_stats"]
+__all__ = ["REPLICA_HEADER", "Peers", "ReplicaApp"]

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
 
-from kvscope.replicas.asgi import merge_metrics, merge_stats  # noqa: E402
 from kvscope.replicas.ids import id_prefix, owner_of, routing_key  # noqa: E402
+from kvscope.replicas.merge import merge_metrics, merge_stats  # noqa: E402
 from kvscope.replicas.router import pick  # noqa: E402
 
 
