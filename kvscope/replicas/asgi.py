@@ -18,7 +18,8 @@ What it adds in front of the Quart app, knowing it is one of several replicas:
   labelled by replica; `?replica=<name>` (or the `X-Kvscope-Replica` header) reads
   one replica;
 * a body that names a `parent` on another replica is forwarded to that replica
-  (`peers.forward`), so children start inside their parent's scope there;
+  (`peers.forward`; on a WebSocket, `wschildren`), so children start inside their
+  parent's scope there;
 * the kvscope id is repeated in `X-Kvscope-Request-Id`, because Ray Serve's proxy
   appends its own value to `X-Request-Id`;
 * Serve's cancellation of a call becomes the disconnect message Quart expects
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Protocol
 
 import anyio
@@ -57,6 +58,7 @@ from .messages import (
     replay,
     replay_body,
 )
+from .wschildren import ChildForwarder
 
 log = logging.getLogger("kvscope.replicas")
 
@@ -81,6 +83,10 @@ class Peers(Protocol):
 
     def forward(self, replica: str, scope: Message, body: bytes) -> AsyncGenerator[Message, None]:
         """Make the HTTP call (`scope`, `body`) on `replica`; its ASGI messages as they come."""
+        ...
+
+    def connect(self, replica: str, scope: Message) -> AbstractAsyncContextManager[Any]:
+        """Open the WebSocket of `scope` on `replica` (a `websockets` connection)."""
         ...
 
 
@@ -121,6 +127,14 @@ class ReplicaApp:
             if await self._answer_here(scope, receive, send):
                 return
             send = self._tagged(send)
+        elif not _forwarded(scope):
+            # A body naming a parent on another replica runs there (see wschildren).
+            children = ChildForwarder(self.replica, self.peers, scope, receive, send)
+            try:
+                await self._call_app(scope, children.receive, send)
+            finally:
+                children.close()
+            return
         await self._call_app(scope, receive, send)
 
     async def _call_app(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -272,7 +286,7 @@ class ReplicaApp:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         owner = parent_owner(body)
-        forwarded = any(k.lower() == FORWARDED_HEADER for k, _ in scope.get("headers", ()))
+        forwarded = _forwarded(scope)
         # A forwarded call runs here even if this is not (or no longer) the owner: the
         # engine then answers 404 for the parent, and nothing is forwarded twice.
         if owner is None or owner == self.replica or forwarded:
@@ -302,6 +316,10 @@ class ReplicaApp:
             await send(message)
 
         return send_tagged
+
+
+def _forwarded(scope: Message) -> bool:
+    return any(name.lower() == FORWARDED_HEADER for name, _ in scope.get("headers", ()))
 
 
 def _timeout(headers: Any, default: float | None) -> float | None:

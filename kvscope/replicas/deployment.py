@@ -100,6 +100,22 @@ class ProxyPeers:
                 yield {"type": "http.response.body", "body": chunk, "more_body": True}
             yield {"type": "http.response.body", "body": b"", "more_body": False}
 
+    def connect(self, replica: str, scope: Message) -> Any:
+        from websockets.asyncio.client import connect
+
+        url = self._url.replace("http", "ws", 1) + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        # The caller's key (the owner sees the same owner); the router's header wins
+        # over a `?replica=` in the query.
+        headers = [
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in scope.get("headers", ())
+            if name.lower() == b"authorization"
+        ]
+        headers += [(REPLICA_HEADER, replica), (FORWARDED_HEADER.decode(), "1")]
+        return connect(url, additional_headers=headers, open_timeout=PEER_TIMEOUT)
+
 
 _HOP_BY_HOP = {
     b"host",

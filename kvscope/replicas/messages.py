@@ -18,7 +18,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-def parent_owner(body: bytes) -> str | None:
+def parent_owner(body: str | bytes) -> str | None:
+    """The replica that owns the `parent` a JSON body names, if it names one."""
     try:
         data = json.loads(body)
     except ValueError:
