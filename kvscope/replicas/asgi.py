@@ -58,6 +58,7 @@ from .messages import (
     replay,
     replay_body,
 )
+from .stopping import serve_stopping
 from .wschildren import ChildForwarder
 
 log = logging.getLogger("kvscope.replicas")
@@ -72,6 +73,8 @@ FORWARDED_HEADER = b"x-kvscope-forwarded"
 DISCONNECT_GRACE = 5.0
 #: How early, at most, a cut call counts as timed out (see `__call__`).
 TIMEOUT_SLACK = 0.25
+#: How often a replica looks whether Serve began stopping it (a flag read).
+STOPPING_POLL = 0.2
 
 
 class Peers(Protocol):
@@ -106,6 +109,7 @@ class ReplicaApp:
         self.settings = settings
         self.peers = peers
         self.ctx: ServerContext | None = None
+        self._draining = anyio.Lock()
         self._app: Any = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -194,6 +198,7 @@ class ReplicaApp:
                 self.ctx = app.extensions["kvscope"]
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
+                    tg.start_soon(self._drain_when_stopping)
                     self._app = app
                     log.info("replica %s serving (model %s)", self.replica, engine.model_name)
                     await send({"type": "lifespan.startup.complete"})
@@ -211,8 +216,25 @@ class ReplicaApp:
             self._app = None
         await send({"type": "lifespan.shutdown.complete"})
 
+    async def _drain_when_stopping(self) -> None:
+        """Drain as soon as Serve begins stopping this replica, not after its own wait
+        for the ongoing calls (which a stream is until its end): see `stopping`."""
+        stopping = serve_stopping()
+        if stopping is None:
+            return
+        while not stopping():
+            await anyio.sleep(STOPPING_POLL)
+        log.info("replica %s: Serve is stopping it, draining", self.replica)
+        await self._drain()
+
     async def _drain(self) -> None:
-        """The single server's SIGTERM: drain, cancel the rest, wait for last events."""
+        """The single server's SIGTERM: drain, cancel the rest, wait for last events.
+        Run when Serve begins stopping the replica and again at the lifespan's end
+        (then at once: nothing is left)."""
+        async with self._draining:
+            await self._drain_once()
+
+    async def _drain_once(self) -> None:
         assert self.ctx is not None
         ctx, engine, settings = self.ctx, self.ctx.engine, self.settings
         ctx.shutting_down.set()

@@ -32,6 +32,8 @@ log = logging.getLogger("kvscope.replicas")
 DEPLOYMENT = "kvscope"
 #: How long gathering `/stats` or `/metrics` waits for one replica.
 PEER_TIMEOUT = 5.0
+#: Serve's kill deadline of a stopping replica, past its drain (closing the engine).
+SHUTDOWN_SLACK = 5.0
 
 
 class ProxyPeers:
@@ -158,7 +160,7 @@ def build_app(
     replicas: int = 2,
     settings: dict[str, Any] | None = None,
     cpus_per_replica: float = 1.0,
-    graceful_shutdown_timeout_s: float = 30.0,
+    graceful_shutdown_timeout_s: float | None = None,
     proxy_url: str = "http://127.0.0.1:8000",
     request_timeout_s: float | None = None,
 ) -> Any:
@@ -166,9 +168,15 @@ def build_app(
     `OwnerRouter`. `engine_kwargs` are `Engine.open`'s, `settings` `ServerSettings`'s;
     `proxy_url` is where a replica reaches Serve's HTTP proxy on its own node;
     `request_timeout_s` must be the proxy's own (`http_options`), so that a call it cuts
-    at that deadline is cancelled with reason `timeout`."""
+    at that deadline is cancelled with reason `timeout`. A stopping replica drains like
+    the single server on SIGTERM (see `stopping`); `graceful_shutdown_timeout_s`, after
+    which Serve kills it, defaults to that drain's length and some slack."""
     settings = dict(settings or {})
-    ServerSettings(**settings)  # validate here, not in every replica
+    checked = ServerSettings(**settings)  # validate here, not in every replica
+    if graceful_shutdown_timeout_s is None:
+        graceful_shutdown_timeout_s = (
+            checked.drain_timeout + checked.graceful_timeout + SHUTDOWN_SLACK
+        )
     deployment = serve.deployment(
         name=DEPLOYMENT,
         num_replicas=replicas,
@@ -178,6 +186,9 @@ def build_app(
         ray_actor_options={"num_cpus": cpus_per_replica},
         request_router_config=RequestRouterConfig(request_router_class=OwnerRouter),  # type: ignore[arg-type]
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+        # How often Serve looks whether a stopping replica's calls ended: a drained
+        # replica goes soon after its last stream's last event.
+        graceful_shutdown_wait_loop_s=0.5,
         # A replica dying fails its health check; Serve starts a new one.
         health_check_period_s=2.0,
         health_check_timeout_s=10.0,
