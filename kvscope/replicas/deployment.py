@@ -163,12 +163,14 @@ def build_app(
     graceful_shutdown_timeout_s: float | None = None,
     proxy_url: str = "http://127.0.0.1:8000",
     request_timeout_s: float | None = None,
+    prefix_routing: bool = True,
 ) -> Any:
     """The Serve application: `replicas` copies of `KvscopeReplica` routed by
     `OwnerRouter`. `engine_kwargs` are `Engine.open`'s, `settings` `ServerSettings`'s;
     `proxy_url` is where a replica reaches Serve's HTTP proxy on its own node;
     `request_timeout_s` must be the proxy's own (`http_options`), so that a call it cuts
-    at that deadline is cancelled with reason `timeout`. A stopping replica drains like
+    at that deadline is cancelled with reason `timeout`. `prefix_routing` sends prompts
+    that share a prefix to one replica where load allows (see `prefix`). A stopping replica drains like
     the single server on SIGTERM (see `stopping`); `graceful_shutdown_timeout_s`, after
     which Serve kills it, defaults to that drain's length and some slack."""
     settings = dict(settings or {})
@@ -184,7 +186,10 @@ def build_app(
         max_ongoing_requests=10_000,
         max_queued_requests=-1,
         ray_actor_options={"num_cpus": cpus_per_replica},
-        request_router_config=RequestRouterConfig(request_router_class=OwnerRouter),  # type: ignore[arg-type]
+        request_router_config=RequestRouterConfig(
+            request_router_class=OwnerRouter,  # type: ignore[arg-type]
+            request_router_kwargs={"prefix_routing": prefix_routing},
+        ),
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         # How often Serve looks whether a stopping replica's calls ended: a drained
         # replica goes soon after its last stream's last event.
@@ -203,8 +208,15 @@ def app_builder(args: dict[str, str]) -> Any:
     replicas = int(args.pop("replicas", 2))
     cpus = float(args.pop("cpus_per_replica", 1.0))
     proxy_url = args.pop("proxy_url", "http://127.0.0.1:8000")
+    prefix_routing = bool(_value(args.pop("prefix_routing", "true")))
     engine_kwargs = {key: _value(value) for key, value in args.items()}
-    return build_app(engine_kwargs, replicas=replicas, cpus_per_replica=cpus, proxy_url=proxy_url)
+    return build_app(
+        engine_kwargs,
+        replicas=replicas,
+        cpus_per_replica=cpus,
+        proxy_url=proxy_url,
+        prefix_routing=prefix_routing,
+    )
 
 
 def _value(text: str) -> Any:
