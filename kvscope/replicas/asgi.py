@@ -51,8 +51,10 @@ from .messages import (
     Message,
     Receive,
     Send,
+    call_timeout,
     capture,
     error_body,
+    is_forwarded,
     json_answer,
     parent_owner,
     replay,
@@ -63,12 +65,8 @@ from .wschildren import ChildForwarder
 
 log = logging.getLogger("kvscope.replicas")
 
-#: Serve's per-call timeout header (it overrides `request_timeout_s`; <= 0 disables).
-TIMEOUT_HEADER = b"x-request-timeout-seconds"
 #: The routes whose answer gathers every replica's own (unless one is named).
 GATHERED = ("/stats", "/metrics", "/requests")
-#: Marks a call one replica forwarded to another (never forwarded again).
-FORWARDED_HEADER = b"x-kvscope-forwarded"
 #: How long a call cut by Serve may take to close (its final cleanup is synchronous).
 DISCONNECT_GRACE = 5.0
 #: How early, at most, a cut call counts as timed out (see `__call__`).
@@ -112,6 +110,12 @@ class ReplicaApp:
         self._draining = anyio.Lock()
         self._app: Any = None
 
+    def load(self) -> dict[str, int]:
+        """This replica's load, for the router: its engine's live requests."""
+        if self.ctx is None:
+            return {}
+        return {"live_requests": self.ctx.engine.stats()["live_requests"]}
+
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
@@ -121,7 +125,7 @@ class ReplicaApp:
                 send, 503, error_body("the replica is not serving", "unavailable_error")
             )
             return
-        timeout = _timeout(scope.get("headers", ()), self.request_timeout)
+        timeout = call_timeout(scope.get("headers", ()), self.request_timeout)
         if timeout is not None:
             # Serve's clock started at its proxy, a little before this one: a call cut
             # within the slack of its deadline was cut by the timeout.
@@ -131,7 +135,7 @@ class ReplicaApp:
             if await self._answer_here(scope, receive, send):
                 return
             send = self._tagged(send)
-        elif not _forwarded(scope):
+        elif not is_forwarded(scope):
             # A body naming a parent on another replica runs there (see wschildren).
             children = ChildForwarder(self.replica, self.peers, scope, receive, send)
             try:
@@ -308,7 +312,7 @@ class ReplicaApp:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         owner = parent_owner(body)
-        forwarded = _forwarded(scope)
+        forwarded = is_forwarded(scope)
         # A forwarded call runs here even if this is not (or no longer) the owner: the
         # engine then answers 404 for the parent, and nothing is forwarded twice.
         if owner is None or owner == self.replica or forwarded:
@@ -338,21 +342,6 @@ class ReplicaApp:
             await send(message)
 
         return send_tagged
-
-
-def _forwarded(scope: Message) -> bool:
-    return any(name.lower() == FORWARDED_HEADER for name, _ in scope.get("headers", ()))
-
-
-def _timeout(headers: Any, default: float | None) -> float | None:
-    for name, value in headers:
-        if name.lower() == TIMEOUT_HEADER:
-            try:
-                seconds = float(value)
-            except ValueError:
-                return default  # as Serve reads it
-            return seconds if seconds > 0 else None
-    return default
 
 
 __all__ = ["REPLICA_HEADER", "Peers", "ReplicaApp"]

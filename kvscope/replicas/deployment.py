@@ -23,8 +23,9 @@ from ray.serve.config import RequestRouterConfig
 
 from kvscope.web.settings import ServerSettings
 
-from .asgi import FORWARDED_HEADER, Message, ReplicaApp
+from .asgi import ReplicaApp
 from .ids import REPLICA_HEADER, id_prefix
+from .messages import FORWARDED_HEADER, Message
 from .router import OwnerRouter
 
 log = logging.getLogger("kvscope.replicas")
@@ -32,6 +33,8 @@ log = logging.getLogger("kvscope.replicas")
 DEPLOYMENT = "kvscope"
 #: How long gathering `/stats` or `/metrics` waits for one replica.
 PEER_TIMEOUT = 5.0
+#: How often Serve collects each replica's load for the router (`record_routing_stats`).
+ROUTING_STATS_PERIOD = 1.0
 #: Serve's kill deadline of a stopping replica, past its drain (closing the engine).
 SHUTDOWN_SLACK = 5.0
 
@@ -153,6 +156,10 @@ class KvscopeReplica:
     def __serve_build_asgi_app__(self) -> ReplicaApp:
         return self.asgi
 
+    async def record_routing_stats(self) -> dict[str, int]:
+        """Serve's routing stats: what the router weighs as this replica's load."""
+        return self.asgi.load()
+
 
 def build_app(
     engine_kwargs: dict[str, Any] | None = None,
@@ -189,6 +196,7 @@ def build_app(
         request_router_config=RequestRouterConfig(
             request_router_class=OwnerRouter,  # type: ignore[arg-type]
             request_router_kwargs={"prefix_routing": prefix_routing},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD,
         ),
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         # How often Serve looks whether a stopping replica's calls ended: a drained

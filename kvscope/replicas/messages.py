@@ -2,7 +2,8 @@
 
 What `ReplicaApp` does with one call's messages besides handing them to the Quart app:
 run the app into a buffer (`capture`), send captured messages on (`replay`), give a
-body read ahead back to the app (`replay_body`), answer JSON itself (`json_answer`).
+body read ahead back to the app (`replay_body`), answer JSON itself (`json_answer`);
+and what a call's headers say to a replica (`call_timeout`, `is_forwarded`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .ids import owner_of
+
+#: Serve's per-call timeout header (it overrides `request_timeout_s`; <= 0 disables).
+TIMEOUT_HEADER = b"x-request-timeout-seconds"
+#: Marks a call one replica forwarded to another (never forwarded again).
+FORWARDED_HEADER = b"x-kvscope-forwarded"
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -78,3 +84,20 @@ async def json_answer(send: Send, status: int, body: Any) -> None:
         }
     )
     await send({"type": "http.response.body", "body": data})
+
+
+def is_forwarded(scope: Message) -> bool:
+    """Whether another replica forwarded this call (it is never forwarded again)."""
+    return any(name.lower() == FORWARDED_HEADER for name, _ in scope.get("headers", ()))
+
+
+def call_timeout(headers: Any, default: float | None) -> float | None:
+    """Serve's end-to-end timeout of a call: its header's, else `default`."""
+    for name, value in headers:
+        if name.lower() == TIMEOUT_HEADER:
+            try:
+                seconds = float(value)
+            except ValueError:
+                return default  # as Serve reads it
+            return seconds if seconds > 0 else None
+    return default

@@ -13,8 +13,11 @@ for the dead one (404, see `asgi.py`).
 A generation call carries the hash of its prompt's head (`X-Kvscope-Prefix`, added by
 the proxy's `PrefixKeyMiddleware`, see `prefix.py`): it goes to the replica that
 rendezvous hashing prefers for it, unless that replica has more ongoing calls than
-the least loaded one by more than `imbalance` (the queue lengths Serve's router keeps
-or probes, as Ray's own `PrefixCacheAffinityRouter` checks load). Every other call
+the least loaded one by more than `imbalance`. A replica's load is the larger of its
+ongoing calls (the queue lengths Serve's router keeps or probes, as Ray's own
+`PrefixCacheAffinityRouter` checks load) and its engine's live requests (which it
+reports every second through Serve's routing stats: native jobs run on after their
+call answered). Every other call
 goes to the less loaded of two random replicas (Serve's default, power of two).
 """
 
@@ -74,8 +77,20 @@ class OwnerRouter(RequestRouter):
             for replica, length in await self._probe_queue_lens(unknown, 0):
                 if length is not None:
                     lengths[replica.replica_id] = length
-        mine = lengths.get(chosen.replica_id)
-        return mine is not None and mine - min(lengths.values()) <= self.imbalance
+        loads = {
+            r.replica_id: max(lengths[r.replica_id], _live(r))
+            for r in replicas
+            if r.replica_id in lengths
+        }
+        mine = loads.get(chosen.replica_id)
+        return mine is not None and mine - min(loads.values()) <= self.imbalance
+
+
+def _live(replica: RunningReplica) -> int:
+    """The live requests of a replica's engine, as it last reported them: a native job
+    (`POST /generate` answers 202 at once) is no ongoing call, but it is load."""
+    live = (replica.routing_stats or {}).get("live_requests")
+    return live if isinstance(live, int) else 0
 
 
 def pick(replicas: list[Any], key: str) -> Any | None:

@@ -37,7 +37,9 @@ def test_ids_name_their_replica_and_every_call_reaches_it(live: Cluster) -> None
     owners: dict[str, str] = {}
     with live.client() as client:
         while len(set(owners.values())) < 2:
-            job = client.post("/generate", json={"prompt": "Once upon a time", **LONG})
+            # Distinct prompts: one prompt's jobs would all go to its prefix's replica.
+            prompt = f"Once upon a time {len(owners)}"
+            job = client.post("/generate", json={"prompt": prompt, **LONG})
             assert job.status_code == 202, job.text
             owner = owner_of(job.json()["id"])
             assert owner in live.replicas()
