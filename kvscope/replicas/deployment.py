@@ -196,7 +196,7 @@ def build_app(
         request_router_config=RequestRouterConfig(
             request_router_class=OwnerRouter,  # type: ignore[arg-type]
             request_router_kwargs={"prefix_routing": prefix_routing},
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD,  # type: ignore[arg-type]
         ),
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         # How often Serve looks whether a stopping replica's calls ended: a drained

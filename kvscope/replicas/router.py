@@ -38,7 +38,9 @@ IMBALANCE = 4
 
 
 class OwnerRouter(RequestRouter):
-    def initialize_state(self, prefix_routing: bool = True, imbalance: int = IMBALANCE) -> None:
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs
+        self, prefix_routing: bool = True, imbalance: int = IMBALANCE
+    ) -> None:
         self.prefix_routing = prefix_routing
         self.imbalance = imbalance
 

@@ -92,7 +92,8 @@ class ChildForwarder:
         while True:
             if self._next is None:
                 self._next = asyncio.ensure_future(self._receive())
-            await asyncio.wait([self._next, to_client], return_when=asyncio.FIRST_COMPLETED)
+            either: list[asyncio.Future[Any]] = [self._next, to_client]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if to_client.done():
                 to_client.result()
                 return None

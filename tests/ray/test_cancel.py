@@ -125,6 +125,7 @@ def test_a_websocket_child_runs_on_its_parents_replica(live: Cluster) -> None:
     with live.client() as client:
         parent = client.post("/generate", json={"prompt": "Root", **LONG}).json()["id"]
         owner = owner_of(parent)
+        assert owner is not None
         other = next(name for name in live.replicas() if name != owner)
         headers = {"X-Kvscope-Replica": other}
         with connect(f"{live.ws_url}/ws/generate", additional_headers=headers) as ws:
