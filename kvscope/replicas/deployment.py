@@ -217,6 +217,7 @@ def app_builder(args: dict[str, str]) -> Any:
     cpus = float(args.pop("cpus_per_replica", 1.0))
     proxy_url = args.pop("proxy_url", "http://127.0.0.1:8000")
     prefix_routing = bool(_value(args.pop("prefix_routing", "true")))
+    timeout = args.pop("request_timeout_s", None)
     engine_kwargs = {key: _value(value) for key, value in args.items()}
     return build_app(
         engine_kwargs,
@@ -224,6 +225,7 @@ def app_builder(args: dict[str, str]) -> Any:
         cpus_per_replica=cpus,
         proxy_url=proxy_url,
         prefix_routing=prefix_routing,
+        request_timeout_s=float(timeout) if timeout is not None else None,
     )
 
 
