@@ -20,6 +20,7 @@ from kvscope.replicas.prefix import (  # noqa: E402
     prefix_key,
 )
 from kvscope.replicas.router import pick  # noqa: E402
+from kvscope.replicas.stopping import serve_stopping  # noqa: E402
 
 
 def test_ids_name_their_replica() -> None:
@@ -119,3 +120,13 @@ async def test_the_proxy_middleware_keys_a_body_and_hands_it_on_whole() -> None:
     named = {**scope, "headers": [(b"x-kvscope-replica", b"r1")]}
     await PrefixKeyMiddleware(app)(named, receive, send)
     assert PREFIX_HEADER not in seen["headers"] and seen["body"] == body
+
+
+def test_outside_a_replica_stopping_is_unknown_and_said_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Where Serve's stopping flag cannot be found, the replica falls back to draining
+    at the lifespan's end, and says so."""
+    with caplog.at_level("WARNING", logger="kvscope.replicas"):
+        assert serve_stopping() is None
+    assert "graceful_shutdown_timeout_s" in caplog.text
