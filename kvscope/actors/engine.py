@@ -363,6 +363,8 @@ class Engine:
             "cancelled": self.counts["cancelled"],
             "failed": self.counts["failed"],
             "steps": self.step.steps,
+            "prompt_tokens_admitted": self.scheduler.prompt_tokens_admitted,
+            "prompt_tokens_reused": self.scheduler.prompt_tokens_reused,
             # Request tasks running now, counted by the tasks themselves as they enter
             # and leave (the step actor is not counted): 0 when nothing leaked.
             "tasks": self._request_tasks,

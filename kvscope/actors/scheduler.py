@@ -154,6 +154,10 @@ class Scheduler:
         self._waiting: list[tuple[int, int, Sequence]] = []  # heap; removed entries stay
         self._num_waiting = 0
         self.running: list[Sequence] = []
+        #: Prompt tokens admitted, and those of them found computed (a cached prefix or
+        #: a parent's blocks): the prefix-cache hit rate (kvscope.replicas routes by it).
+        self.prompt_tokens_admitted = 0
+        self.prompt_tokens_reused = 0
 
     # -- membership --------------------------------------------------------------
 
@@ -329,6 +333,8 @@ class Scheduler:
         if pool.num_available - revived - new < self.watermark_blocks:
             return None
         pool.acquire(shared)
+        self.prompt_tokens_admitted += len(seq.tokens)
+        self.prompt_tokens_reused += num_computed
         seq.block_table = list(shared)
         seq.num_computed = num_computed
         seq.num_committed = num_computed // size

@@ -18,7 +18,8 @@ What it adds in front of the Quart app, knowing it is one of several replicas:
   labelled by replica; `?replica=<name>` (or the `X-Kvscope-Replica` header) reads
   one replica;
 * a body that names a `parent` on another replica is forwarded to that replica
-  (`peers.forward`), so children start inside their parent's scope there;
+  (`peers.forward`; on a WebSocket, `wschildren`), so children start inside their
+  parent's scope there;
 * the kvscope id is repeated in `X-Kvscope-Request-Id`, because Ray Serve's proxy
   appends its own value to `X-Request-Id`;
 * Serve's cancellation of a call becomes the disconnect message Quart expects
@@ -32,12 +33,11 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Protocol
 
 import anyio
-from prometheus_client.utils import floatToGoString
 
 from kvscope import Engine
 from kvscope.web.app import create_app
@@ -45,24 +45,34 @@ from kvscope.web.context import ServerContext, call_deadline
 from kvscope.web.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 
-from .ids import REPLICA_HEADER, owner_of, routing_key
+from .ids import REPLICA_HEADER, routing_key
+from .merge import merge_metrics, merge_stats
+from .messages import (
+    Message,
+    Receive,
+    Send,
+    call_timeout,
+    capture,
+    error_body,
+    is_forwarded,
+    json_answer,
+    parent_owner,
+    replay,
+    replay_body,
+)
+from .stopping import serve_stopping
+from .wschildren import ChildForwarder
 
 log = logging.getLogger("kvscope.replicas")
 
-#: Serve's per-call timeout header (it overrides `request_timeout_s`; <= 0 disables).
-TIMEOUT_HEADER = b"x-request-timeout-seconds"
 #: The routes whose answer gathers every replica's own (unless one is named).
 GATHERED = ("/stats", "/metrics", "/requests")
-#: Marks a call one replica forwarded to another (never forwarded again).
-FORWARDED_HEADER = b"x-kvscope-forwarded"
 #: How long a call cut by Serve may take to close (its final cleanup is synchronous).
 DISCONNECT_GRACE = 5.0
 #: How early, at most, a cut call counts as timed out (see `__call__`).
 TIMEOUT_SLACK = 0.25
-
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+#: How often a replica looks whether Serve began stopping it (a flag read).
+STOPPING_POLL = 0.2
 
 
 class Peers(Protocol):
@@ -74,6 +84,10 @@ class Peers(Protocol):
 
     def forward(self, replica: str, scope: Message, body: bytes) -> AsyncGenerator[Message, None]:
         """Make the HTTP call (`scope`, `body`) on `replica`; its ASGI messages as they come."""
+        ...
+
+    def connect(self, replica: str, scope: Message) -> AbstractAsyncContextManager[Any]:
+        """Open the WebSocket of `scope` on `replica` (a `websockets` connection)."""
         ...
 
 
@@ -93,16 +107,25 @@ class ReplicaApp:
         self.settings = settings
         self.peers = peers
         self.ctx: ServerContext | None = None
+        self._draining = anyio.Lock()
         self._app: Any = None
+
+    def load(self) -> dict[str, int]:
+        """This replica's load, for the router: its engine's live requests."""
+        if self.ctx is None:
+            return {}
+        return {"live_requests": self.ctx.engine.stats()["live_requests"]}
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
         if self._app is None:  # a call after the lifespan ended (Serve routes none before)
-            await _json(send, 503, _error("the replica is not serving", "unavailable_error"))
+            await json_answer(
+                send, 503, error_body("the replica is not serving", "unavailable_error")
+            )
             return
-        timeout = _timeout(scope.get("headers", ()), self.request_timeout)
+        timeout = call_timeout(scope.get("headers", ()), self.request_timeout)
         if timeout is not None:
             # Serve's clock started at its proxy, a little before this one: a call cut
             # within the slack of its deadline was cut by the timeout.
@@ -112,6 +135,14 @@ class ReplicaApp:
             if await self._answer_here(scope, receive, send):
                 return
             send = self._tagged(send)
+        elif not is_forwarded(scope):
+            # A body naming a parent on another replica runs there (see wschildren).
+            children = ChildForwarder(self.replica, self.peers, scope, receive, send)
+            try:
+                await self._call_app(scope, children.receive, send)
+            finally:
+                children.close()
+            return
         await self._call_app(scope, receive, send)
 
     async def _call_app(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -171,6 +202,7 @@ class ReplicaApp:
                 self.ctx = app.extensions["kvscope"]
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
+                    tg.start_soon(self._drain_when_stopping)
                     self._app = app
                     log.info("replica %s serving (model %s)", self.replica, engine.model_name)
                     await send({"type": "lifespan.startup.complete"})
@@ -188,8 +220,25 @@ class ReplicaApp:
             self._app = None
         await send({"type": "lifespan.shutdown.complete"})
 
+    async def _drain_when_stopping(self) -> None:
+        """Drain as soon as Serve begins stopping this replica, not after its own wait
+        for the ongoing calls (which a stream is until its end): see `stopping`."""
+        stopping = serve_stopping()
+        if stopping is None:
+            return
+        while not stopping():
+            await anyio.sleep(STOPPING_POLL)
+        log.info("replica %s: Serve is stopping it, draining", self.replica)
+        await self._drain()
+
     async def _drain(self) -> None:
-        """The single server's SIGTERM: drain, cancel the rest, wait for last events."""
+        """The single server's SIGTERM: drain, cancel the rest, wait for last events.
+        Run when Serve begins stopping the replica and again at the lifespan's end
+        (then at once: nothing is left)."""
+        async with self._draining:
+            await self._drain_once()
+
+    async def _drain_once(self) -> None:
         assert self.ctx is not None
         ctx, engine, settings = self.ctx, self.ctx.engine, self.settings
         ctx.shutting_down.set()
@@ -212,19 +261,19 @@ class ReplicaApp:
                 f"no request {request_id!r}: it belongs to replica {target}, which is not "
                 "running (it died or was replaced, and its requests with it)"
             )
-            await _json(send, 404, _error(message, "not_found_error"))
+            await json_answer(send, 404, error_body(message, "not_found_error"))
             return True
         if method == "GET" and path in GATHERED and target is None:
             await self._aggregate(path, scope, receive, send)
             return True
         if method == "GET" and path == "/stats":  # this replica's own, named
-            answer = await _capture(self._app, scope, receive)
+            answer = await capture(self._app, scope, receive)
             if answer["status"] != 200:
-                await _replay(answer["messages"], send)
+                await replay(answer["messages"], send)
             else:
                 stats = json.loads(answer["body"])
                 stats.update(replica=self.replica, pid=os.getpid())
-                await _json(self._tagged(send), 200, stats)
+                await json_answer(self._tagged(send), 200, stats)
             return True
         if method == "POST" and path == "/generate":
             return await self._forward_to_parent(scope, receive, send)
@@ -232,17 +281,17 @@ class ReplicaApp:
 
     async def _aggregate(self, path: str, scope: Message, receive: Receive, send: Send) -> None:
         # Authentication first: the local app answers 401 for a bad key.
-        probe = await _capture(self._app, {**scope}, receive)
+        probe = await capture(self._app, {**scope}, receive)
         if probe["status"] != 200:
-            await _replay(probe["messages"], send)
+            await replay(probe["messages"], send)
             return
         auth = [(k, v) for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
         bodies = await self.peers.each(path, auth)
         if path == "/stats":
-            await _json(send, 200, merge_stats({r: json.loads(b) for r, b in bodies.items()}))
+            await json_answer(send, 200, merge_stats({r: json.loads(b) for r, b in bodies.items()}))
         elif path == "/requests":
             live = [item for body in bodies.values() for item in json.loads(body)["requests"]]
-            await _json(send, 200, {"requests": live})
+            await json_answer(send, 200, {"requests": live})
         else:
             text = merge_metrics({r: b.decode() for r, b in bodies.items()})
             await send(
@@ -262,12 +311,12 @@ class ReplicaApp:
                 return True
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        owner = _parent_owner(body)
-        forwarded = any(k.lower() == FORWARDED_HEADER for k, _ in scope.get("headers", ()))
+        owner = parent_owner(body)
+        forwarded = is_forwarded(scope)
         # A forwarded call runs here even if this is not (or no longer) the owner: the
         # engine then answers 404 for the parent, and nothing is forwarded twice.
         if owner is None or owner == self.replica or forwarded:
-            await self._call_app(scope, _replay_body(body, receive), self._tagged(send))
+            await self._call_app(scope, replay_body(body, receive), self._tagged(send))
             return True
         # Closed in this task however the loop ends: a cancelled call (the client went
         # away) closes the forward's connection, which the owner sees as a disconnect.
@@ -295,124 +344,4 @@ class ReplicaApp:
         return send_tagged
 
 
-def merge_stats(per_replica: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The sum of every replica's numeric figures, and each replica's own under `replicas`."""
-    total: dict[str, Any] = {}
-    for stats in per_replica.values():
-        for name, value in stats.items():
-            if name == "pid":
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                total[name] = total.get(name, 0) + value
-    return {**total, "replicas": per_replica}
-
-
-def merge_metrics(per_replica: dict[str, str]) -> str:
-    """Every replica's Prometheus text as one exposition, each sample labelled `replica`."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families: dict[str, Any] = {}
-    for replica, text in sorted(per_replica.items()):
-        for family in text_string_to_metric_families(text):
-            merged = families.setdefault(family.name, family)
-            if merged is not family:
-                merged.samples.extend(_labelled(family.samples, replica))
-            else:
-                family.samples[:] = _labelled(family.samples, replica)
-    lines: list[str] = []
-    for family in families.values():
-        name = family.name
-        if family.type == "counter":
-            name_total = name + "_total"
-            lines.append(f"# HELP {name_total} {family.documentation}")
-            lines.append(f"# TYPE {name_total} counter")
-        else:
-            lines.append(f"# HELP {name} {family.documentation}")
-            lines.append(f"# TYPE {name} {family.type}")
-        for sample in family.samples:
-            labels = ",".join(f'{key}="{_escape(value)}"' for key, value in sample.labels.items())
-            lines.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _labelled(samples: list[Any], replica: str) -> list[Any]:
-    return [s._replace(labels={"replica": replica, **s.labels}) for s in samples]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _timeout(headers: Any, default: float | None) -> float | None:
-    for name, value in headers:
-        if name.lower() == TIMEOUT_HEADER:
-            try:
-                seconds = float(value)
-            except ValueError:
-                return default  # as Serve reads it
-            return seconds if seconds > 0 else None
-    return default
-
-
-def _parent_owner(body: bytes) -> str | None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None  # the local app answers the 400
-    parent = data.get("parent") if isinstance(data, dict) else None
-    return owner_of(parent) if isinstance(parent, str) else None
-
-
-def _replay_body(body: bytes, then: Receive) -> Receive:
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await then()
-
-    return receive
-
-
-async def _capture(app: Any, scope: Message, receive: Receive) -> Message:
-    messages: list[Message] = []
-
-    async def send(message: Message) -> None:
-        messages.append(message)
-
-    await app(scope, receive, send)
-    start = next(m for m in messages if m["type"] == "http.response.start")
-    headers = dict(start.get("headers", []))
-    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
-    return {
-        "status": start["status"],
-        "content_type": headers.get(b"content-type", b"").decode(),
-        "body": body,
-        "messages": messages,
-    }
-
-
-async def _replay(messages: list[Message], send: Send) -> None:
-    for message in messages:
-        await send(message)
-
-
-def _error(message: str, type_: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_}}
-
-
-async def _json(send: Send, status: int, body: Any) -> None:
-    data = json.dumps(body, separators=(",", ":")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
-__all__ = ["REPLICA_HEADER", "Peers", "ReplicaApp", "merge_metrics", "merge_stats"]
+__all__ = ["REPLICA_HEADER", "Peers", "ReplicaApp"]

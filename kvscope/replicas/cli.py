@@ -1,6 +1,7 @@
 """`kvscope serve --replicas N`: start a local Ray (or join one), run the Serve app,
 print where it listens, and on SIGINT/SIGTERM stop Serve (each replica drains like the
-single server) and Ray.
+single server) and Ray. SIGHUP redeploys: Serve replaces the replicas one by one, each
+old one draining its streams while new requests go to the others.
 
 With `--ray-address` it joins a running cluster (`auto`, or `ray://host:10001`)
 instead of starting Ray here; with no address Ray is started with `--ray-cpus` logical
@@ -38,9 +39,7 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
         print("error: Ray Serve replicas run on asyncio; drop --backend trio", file=sys.stderr)
         return 2
     port = settings.port or _free_port(settings.host)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    signals = _Signals()
     # Serve's proxy reads this when it starts (in a process that inherits it from
     # the local Ray started below; on a cluster, set it on every node's Ray).
     os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
@@ -61,9 +60,9 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
             replicas=args.replicas,
             settings={**attrs.asdict(settings), "port": port},
             cpus_per_replica=args.cpus_per_replica,
-            graceful_shutdown_timeout_s=settings.drain_timeout + settings.graceful_timeout + 5,
             proxy_url=f"http://{_local(settings.host)}:{port}",
             request_timeout_s=args.request_timeout,
+            prefix_routing=args.prefix_routing,
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
@@ -72,13 +71,47 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
             f"({args.replicas} replicas on Ray Serve)",
             flush=True,
         )
-        stop.wait()
+        while signals.wait() == "roll":
+            # Each `serve.run` from Python is a new version: Serve replaces the
+            # replicas one by one, each old one draining (see `stopping`).
+            print("kvscope: rolling the replicas (SIGHUP)", flush=True)
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            print("kvscope: the new replicas are serving", flush=True)
         print("kvscope: stopping the replicas", flush=True)
         serve.delete(APP_NAME)
         serve.shutdown()
     finally:
         ray.shutdown()
     return 0
+
+
+class _Signals:
+    """SIGINT/SIGTERM stop; SIGHUP rolls the replicas (`wait` says which came)."""
+
+    def __init__(self) -> None:
+        self._stop = False
+        self._rolls = 0
+        self._wake = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_roll)
+
+    def _on_stop(self, *_: Any) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def _on_roll(self, *_: Any) -> None:
+        self._rolls += 1
+        self._wake.set()
+
+    def wait(self) -> str:
+        while not (self._stop or self._rolls):
+            self._wake.wait()
+            self._wake.clear()
+        if self._stop:
+            return "stop"
+        self._rolls = 0
+        return "roll"
 
 
 def _local(host: str) -> str:

@@ -23,8 +23,9 @@ from ray.serve.config import RequestRouterConfig
 
 from kvscope.web.settings import ServerSettings
 
-from .asgi import FORWARDED_HEADER, Message, ReplicaApp
+from .asgi import ReplicaApp
 from .ids import REPLICA_HEADER, id_prefix
+from .messages import FORWARDED_HEADER, Message
 from .router import OwnerRouter
 
 log = logging.getLogger("kvscope.replicas")
@@ -32,6 +33,10 @@ log = logging.getLogger("kvscope.replicas")
 DEPLOYMENT = "kvscope"
 #: How long gathering `/stats` or `/metrics` waits for one replica.
 PEER_TIMEOUT = 5.0
+#: How often Serve collects each replica's load for the router (`record_routing_stats`).
+ROUTING_STATS_PERIOD = 1.0
+#: Serve's kill deadline of a stopping replica, past its drain (closing the engine).
+SHUTDOWN_SLACK = 5.0
 
 
 class ProxyPeers:
@@ -100,6 +105,22 @@ class ProxyPeers:
                 yield {"type": "http.response.body", "body": chunk, "more_body": True}
             yield {"type": "http.response.body", "body": b"", "more_body": False}
 
+    def connect(self, replica: str, scope: Message) -> Any:
+        from websockets.asyncio.client import connect
+
+        url = self._url.replace("http", "ws", 1) + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        # The caller's key (the owner sees the same owner); the router's header wins
+        # over a `?replica=` in the query.
+        headers = [
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in scope.get("headers", ())
+            if name.lower() == b"authorization"
+        ]
+        headers += [(REPLICA_HEADER, replica), (FORWARDED_HEADER.decode(), "1")]
+        return connect(url, additional_headers=headers, open_timeout=PEER_TIMEOUT)
+
 
 _HOP_BY_HOP = {
     b"host",
@@ -135,6 +156,10 @@ class KvscopeReplica:
     def __serve_build_asgi_app__(self) -> ReplicaApp:
         return self.asgi
 
+    async def record_routing_stats(self) -> dict[str, int]:
+        """Serve's routing stats: what the router weighs as this replica's load."""
+        return self.asgi.load()
+
 
 def build_app(
     engine_kwargs: dict[str, Any] | None = None,
@@ -142,17 +167,25 @@ def build_app(
     replicas: int = 2,
     settings: dict[str, Any] | None = None,
     cpus_per_replica: float = 1.0,
-    graceful_shutdown_timeout_s: float = 30.0,
+    graceful_shutdown_timeout_s: float | None = None,
     proxy_url: str = "http://127.0.0.1:8000",
     request_timeout_s: float | None = None,
+    prefix_routing: bool = True,
 ) -> Any:
     """The Serve application: `replicas` copies of `KvscopeReplica` routed by
     `OwnerRouter`. `engine_kwargs` are `Engine.open`'s, `settings` `ServerSettings`'s;
     `proxy_url` is where a replica reaches Serve's HTTP proxy on its own node;
     `request_timeout_s` must be the proxy's own (`http_options`), so that a call it cuts
-    at that deadline is cancelled with reason `timeout`."""
+    at that deadline is cancelled with reason `timeout`. `prefix_routing` sends prompts
+    that share a prefix to one replica where load allows (see `prefix`). A stopping replica drains like
+    the single server on SIGTERM (see `stopping`); `graceful_shutdown_timeout_s`, after
+    which Serve kills it, defaults to that drain's length and some slack."""
     settings = dict(settings or {})
-    ServerSettings(**settings)  # validate here, not in every replica
+    checked = ServerSettings(**settings)  # validate here, not in every replica
+    if graceful_shutdown_timeout_s is None:
+        graceful_shutdown_timeout_s = (
+            checked.drain_timeout + checked.graceful_timeout + SHUTDOWN_SLACK
+        )
     deployment = serve.deployment(
         name=DEPLOYMENT,
         num_replicas=replicas,
@@ -160,8 +193,15 @@ def build_app(
         max_ongoing_requests=10_000,
         max_queued_requests=-1,
         ray_actor_options={"num_cpus": cpus_per_replica},
-        request_router_config=RequestRouterConfig(request_router_class=OwnerRouter),  # type: ignore[arg-type]
+        request_router_config=RequestRouterConfig(
+            request_router_class=OwnerRouter,  # type: ignore[arg-type]
+            request_router_kwargs={"prefix_routing": prefix_routing},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD,  # type: ignore[arg-type]
+        ),
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+        # How often Serve looks whether a stopping replica's calls ended: a drained
+        # replica goes soon after its last stream's last event.
+        graceful_shutdown_wait_loop_s=0.5,
         # A replica dying fails its health check; Serve starts a new one.
         health_check_period_s=2.0,
         health_check_timeout_s=10.0,
@@ -176,8 +216,17 @@ def app_builder(args: dict[str, str]) -> Any:
     replicas = int(args.pop("replicas", 2))
     cpus = float(args.pop("cpus_per_replica", 1.0))
     proxy_url = args.pop("proxy_url", "http://127.0.0.1:8000")
+    prefix_routing = bool(_value(args.pop("prefix_routing", "true")))
+    timeout = args.pop("request_timeout_s", None)
     engine_kwargs = {key: _value(value) for key, value in args.items()}
-    return build_app(engine_kwargs, replicas=replicas, cpus_per_replica=cpus, proxy_url=proxy_url)
+    return build_app(
+        engine_kwargs,
+        replicas=replicas,
+        cpus_per_replica=cpus,
+        proxy_url=proxy_url,
+        prefix_routing=prefix_routing,
+        request_timeout_s=float(timeout) if timeout is not None else None,
+    )
 
 
 def _value(text: str) -> Any:

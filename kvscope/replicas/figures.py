@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, extra in (("single", []), ("ray-2-replicas", ["--replicas", "2", "--ray-cpus", "4"])):
         result["runs"][name] = measure(name, extra, args.rounds, work)
     result["load_after"] = os.getloadavg()
-    result["revision"] = _revision()
+    result["revision"] = revision()
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     return 0
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(name: str, extra: list[str], rounds: int, work: Path) -> dict[str, Any]:
     audit = work / f"audit-{name}.jsonl"
     audit.unlink(missing_ok=True)
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "kvscope.cli", "serve", "--port", str(port)]
     command += ["--num-kv-blocks", "64", "--model-threads", "1", "--log-level", "WARNING"]
     command += ["--audit-log", str(audit), *extra]
@@ -69,7 +69,7 @@ def measure(name: str, extra: list[str], rounds: int, work: Path) -> dict[str, A
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
-            _wait_ready(client, process, replicas=2 if extra else 0)
+            wait_ready(client, process, replicas=2 if extra else 0)
             deletes = [_delete_round(client) for _ in range(rounds)]
             closes = [_close_round(client) for _ in range(rounds)]
     finally:
@@ -146,7 +146,7 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _wait_ready(client: httpx.Client, process: subprocess.Popen[bytes], replicas: int) -> None:
+def wait_ready(client: httpx.Client, process: subprocess.Popen[bytes], replicas: int) -> None:
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -161,7 +161,7 @@ def _wait_ready(client: httpx.Client, process: subprocess.Popen[bytes], replicas
     raise RuntimeError("the server did not start")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     sock = bind_socket("127.0.0.1", 0)
     try:
         return int(sock.getsockname()[1])
@@ -169,7 +169,7 @@ def _free_port() -> int:
         sock.close()
 
 
-def _revision() -> str:
+def revision() -> str:
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

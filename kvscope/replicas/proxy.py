@@ -1,4 +1,5 @@
-"""In Ray Serve's HTTP proxy: an SSE stream cut mid-way ends with an error event.
+"""In Ray Serve's HTTP proxy: an SSE stream cut mid-way ends with an error event (and,
+from prefix.py, a generation call gets its prompt's prefix key).
 
 When the replica serving a stream dies (or Serve's request timeout passes), the
 proxy stops sending and the client's connection is cut without a last event.
@@ -26,7 +27,9 @@ def proxy_middlewares() -> list[Any]:
     """Serve's HTTP proxy callback: the middlewares it wraps its app in."""
     from starlette.middleware import Middleware
 
-    return [Middleware(StreamEndMiddleware)]
+    from .prefix import PrefixKeyMiddleware
+
+    return [Middleware(StreamEndMiddleware), Middleware(PrefixKeyMiddleware)]
 
 
 Message = dict[str, Any]

@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replicas.add_argument(
         "--request-timeout", type=float, default=None, help="Ray Serve's end-to-end timeout (s)"
     )
+    replicas.add_argument(
+        "--prefix-routing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send prompts that share a prefix to one replica where load allows",
+    )
     add_engine_arguments(parser)
 
 

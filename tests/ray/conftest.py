@@ -13,6 +13,7 @@ imports no Ray).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 2
 #: Whole-cluster start: Ray, Serve, two model loads, on 2 shared cores.
 START_TIMEOUT = 300.0
+#: Each replica's `--drain-timeout`: a rolling redeploy lets streams run this long.
+DRAIN_TIMEOUT = 3.0
 #: A request that runs for a long time unless cancelled (the pool caps it at ~1000).
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -92,6 +95,21 @@ class Cluster:
             raise AssertionError(f"a replica leaked: {self.replicas()}") from None
 
 
+def read_events(client: Any, body: dict[str, Any], replica: str, out: dict[str, Any]) -> None:
+    """Stream `body` on `replica` in `out["events"]` (a cut connection in `out["error"]`)."""
+    events: list[dict[str, Any]] = []
+    out["events"] = events
+    try:
+        with client.stream(
+            "POST", "/generate", json=body, headers={"X-Kvscope-Replica": replica}
+        ) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+    except Exception as exc:  # the connection cut is what some tests expect
+        out["error"] = exc
+
+
 def _free_port() -> int:
     sock = bind_socket("127.0.0.1", 0)
     try:
@@ -110,6 +128,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvscope.cli", "serve", "--replicas", str(REPLICAS)]
             + ["--port", str(port), "--ray-cpus", "4", "--num-kv-blocks", "64"]
+            + ["--drain-timeout", str(DRAIN_TIMEOUT)]
             + ["--model-threads", "1", "--log-level", "WARNING"],
             cwd=ROOT,
             env=env,

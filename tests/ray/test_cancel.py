@@ -110,3 +110,46 @@ def test_closing_a_forwarded_child_stream_cancels_it(live: Cluster) -> None:
         assert _status(client, child)["cancel_reason"] == "disconnect"
         assert client.get(f"/requests/{parent}").json()["status"] == "running"
         client.delete(f"/requests/{parent}")
+
+
+def _until_done(ws: Any) -> dict[str, Any]:
+    while (event := json.loads(ws.recv()))["type"] != "done":
+        pass
+    return event
+
+
+def test_a_websocket_child_runs_on_its_parents_replica(live: Cluster) -> None:
+    """A socket opened on the other replica: a body naming a parent runs on the
+    parent's replica (cancelled with it, by a cancel message, by the socket's close);
+    a body without one runs where the socket is."""
+    with live.client() as client:
+        parent = client.post("/generate", json={"prompt": "Root", **LONG}).json()["id"]
+        owner = owner_of(parent)
+        assert owner is not None
+        other = next(name for name in live.replicas() if name != owner)
+        headers = {"X-Kvscope-Replica": other}
+        with connect(f"{live.ws_url}/ws/generate", additional_headers=headers) as ws:
+            ws.send(json.dumps({"prompt": "Leaf", "parent": parent, **LONG}))
+            child = json.loads(ws.recv())
+            assert child["type"] == "start" and owner_of(child["id"]) == owner, child
+            assert json.loads(ws.recv())["type"] == "token"
+            assert client.delete(f"/requests/{parent}").json()["cancelled_children"] == 1
+            done = _until_done(ws)
+            assert done["status"] == "cancelled" and done["cancel_reason"] == "parent", done
+            # The socket is its replica's again.
+            ws.send(json.dumps({"prompt": "Alone", "max_tokens": 2}))
+            assert owner_of(json.loads(ws.recv())["id"]) == other
+            assert _until_done(ws)["status"] == "finished"
+            pinned = {"X-Kvscope-Replica": owner}
+            body = {"prompt": "Root", **LONG}
+            parent = client.post("/generate", json=body, headers=pinned).json()["id"]
+            ws.send(json.dumps({"prompt": "Leaf", "parent": parent, **LONG}))
+            assert json.loads(ws.recv())["type"] == "start"
+            ws.send(json.dumps({"type": "cancel"}))
+            assert _until_done(ws)["cancel_reason"] == "user"
+            ws.send(json.dumps({"prompt": "Leaf", "parent": parent, **LONG}))
+            last = json.loads(ws.recv())["id"]
+            assert json.loads(ws.recv())["type"] == "token"
+        assert _status(client, last)["cancel_reason"] == "disconnect"
+        assert client.get(f"/requests/{parent}").json()["status"] == "running"
+        client.delete(f"/requests/{parent}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -14,21 +13,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install
 
 from kvscope.replicas.ids import owner_of  # noqa: E402
 
-from .conftest import LONG, Cluster, wait_for  # noqa: E402
-
-
-def _read(client: Any, body: dict[str, Any], replica: str, out: dict[str, Any]) -> None:
-    events: list[dict[str, Any]] = []
-    out["events"] = events
-    try:
-        with client.stream(
-            "POST", "/generate", json=body, headers={"X-Kvscope-Replica": replica}
-        ) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data: "):
-                    events.append(json.loads(line.removeprefix("data: ")))
-    except Exception as exc:  # the connection cut is what some tests expect
-        out["error"] = exc
+from .conftest import LONG, Cluster, read_events, wait_for  # noqa: E402
 
 
 def test_killing_a_replica_fails_only_its_streams(cluster: Cluster) -> None:
@@ -39,10 +24,11 @@ def test_killing_a_replica_fails_only_its_streams(cluster: Cluster) -> None:
     with cluster.client() as a, cluster.client() as b:
         threads = [
             threading.Thread(
-                target=_read, args=(a, {"prompt": "Doomed", "stream": True, **LONG}, victim, doomed)
+                target=read_events,
+                args=(a, {"prompt": "Doomed", "stream": True, **LONG}, victim, doomed),
             ),
             threading.Thread(
-                target=_read,
+                target=read_events,
                 args=(
                     b,
                     {"prompt": "Spared", "stream": True, "max_tokens": 60, "ignore_eos": True},

@@ -37,7 +37,9 @@ def test_ids_name_their_replica_and_every_call_reaches_it(live: Cluster) -> None
     owners: dict[str, str] = {}
     with live.client() as client:
         while len(set(owners.values())) < 2:
-            job = client.post("/generate", json={"prompt": "Once upon a time", **LONG})
+            # Distinct prompts: one prompt's jobs would all go to its prefix's replica.
+            prompt = f"Once upon a time {len(owners)}"
+            job = client.post("/generate", json={"prompt": prompt, **LONG})
             assert job.status_code == 202, job.text
             owner = owner_of(job.json()["id"])
             assert owner in live.replicas()
@@ -126,3 +128,21 @@ def test_a_bad_body_is_a_400_not_a_500(live: Cluster) -> None:
     with httpx.Client(base_url=live.url, timeout=30) as client:
         assert client.post("/generate", content=b"{nope").status_code == 400
         wait_for(lambda: client.get("/health").status_code == 200)
+
+
+def test_prompts_that_share_a_prefix_go_to_one_replica(live: Cluster) -> None:
+    """Sent one at a time (load balanced), prompts with one head all reach the replica
+    that rendezvous hashing prefers for it, whose prefix cache then serves them."""
+    head = "A shared preamble about rivers and stones, long enough to fill blocks. " * 5
+    before = live.replicas()
+    with live.client() as client:
+        answered = set()
+        for question in range(5):
+            body = {"prompt": f"{head}\nQuestion {question}?", "max_tokens": 2}
+            answer = client.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            answered.add(answer.headers["x-kvscope-replica"])
+    assert len(answered) == 1, answered
+    (replica,) = answered
+    after = live.replicas()[replica]
+    assert after["prompt_tokens_reused"] - before[replica]["prompt_tokens_reused"] > 0
