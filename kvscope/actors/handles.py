@@ -129,7 +129,7 @@ class _Handle:
         return self._state.cancel(reason, by)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.id!r}, {self._state.status.public})"
+        return f"{type(self).__name__}({self.id!r}, {self._state.public_status})"
 
 
 class Request(_Handle):
