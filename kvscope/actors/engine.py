@@ -344,6 +344,15 @@ class Engine:
         requests are in the running step."""
         return self.step.statistics()
 
+    @property
+    def before_forward(self) -> list[Callable[[], None]]:
+        """Called in the model's thread right before each step's forward (tests)."""
+        return self.step.before_forward
+
+    def check_integrity(self) -> None:
+        """Assert the block pool's invariants (free + in use + cached = total, ...)."""
+        self.pool.check_integrity()
+
     def audit_records(self) -> list[dict[str, Any]]:
         return list(self.audit.records)
 

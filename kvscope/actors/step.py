@@ -61,6 +61,9 @@ class StepActor:
         self._unpinned: list[anyio.Event] = []
         self._limiter = anyio.CapacityLimiter(1)
         self._on_step = on_step
+        #: Called in the model's thread right before each forward (a test may hold a
+        #: step in flight there).
+        self.before_forward: list[Callable[[], None]] = []
         self.steps = 0
         self.aborted_steps = 0
         self.preemptions = 0
@@ -130,9 +133,7 @@ class StepActor:
         failure: BaseException | None = None
         started = time.perf_counter()
         try:
-            tokens = await anyio.to_thread.run_sync(
-                self.runner.execute, work, self.control, limiter=self._limiter
-            )
+            tokens = await anyio.to_thread.run_sync(self._execute, work, limiter=self._limiter)
         except StepAborted:
             self.aborted_steps += 1
         except Exception as exc:  # a model failure fails this step's requests, not the engine
@@ -165,6 +166,12 @@ class StepActor:
                 token = tokens[index]
                 if token is not None:
                     seq.owner.deliver(token.token, token.logprobs)
+
+    def _execute(self, work: StepInput) -> list[Sampled | None]:
+        """(model thread) Run one step's forward and sampling."""
+        for hook in self.before_forward:
+            hook()
+        return self.runner.execute(work, self.control)
 
     def _unpin(self, chunks: range | list[int]) -> None:
         """Unpin these chunks' blocks (those whose request ended are freed now) and
