@@ -13,7 +13,6 @@ the pool.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -21,18 +20,11 @@ from typing import Any, TypeVar
 
 import anyio
 import attrs
-import torch
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
-from kvscope.cache.block_pool import BlockPool
-from kvscope.cache.kv_cache import KVCache
-from kvscope.config import EngineConfig
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
-from kvscope.kernels.device import select_device
 from kvscope.kernels.guided import GuideCompiler
-from kvscope.models.loader import LoadedModel, load_model
-from kvscope.models.runner import ModelRunner
-from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
+from kvscope.models.worker import ProcessRunner
 from kvscope.params import SamplingParams
 
 from .admission import Admission
@@ -40,9 +32,9 @@ from .audit import AuditLog
 from .handles import DeltaStream, Job, Request
 from .lifecycle import Actors, Ledger, run_request
 from .messages import CancelReport, Completion, RequestInfo, RequestStatus, StepStatistics
+from .parts import Parts, load_parts, run_worker
 from .registry import Registry
 from .request import RequestState
-from .scheduler import Scheduler
 from .spec import Prompt, RequestSpec
 from .step import StepActor
 
@@ -54,42 +46,16 @@ T = TypeVar("T")
 class Engine:
     """An open engine. Create it with `async with Engine.open(...) as engine`."""
 
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        config: EngineConfig,
-        device: torch.device,
-        worker: WorkerSpec | None = None,
-    ) -> None:
-        self.loaded = loaded
-        self.config = config
-        self.device = device
-        self.tokenizer = loaded.tokenizer
-        model_config = loaded.config
-        num_blocks = config.num_kv_blocks or math.ceil(config.kv_cache_tokens / config.block_size)
-        self.pool = BlockPool(num_blocks, enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.pool,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            watermark=config.watermark,
-        )
+    def __init__(self, parts: Parts) -> None:
+        self.loaded = parts.loaded
+        self.config = config = parts.config
+        self.device = parts.device
+        self.tokenizer = parts.loaded.tokenizer
+        self.pool, self.scheduler, self.runner = parts.pool, parts.scheduler, parts.runner
+        self.kv_cache = parts.kv_cache
         self.registry = Registry(config.finished_history, config.finished_history_bytes)
         self.ledger = Ledger()
-        self.admission = Admission(loaded, config, self.scheduler, self.registry, self.ledger)
-        self.kv_cache = KVCache(
-            num_layers=model_config.num_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            dtype=loaded.model.dtype,
-            device=device,
-        )
-        # The forward runs in a worker thread, or, given a spec, in a model worker process.
-        local = ModelRunner(loaded.model, self.kv_cache)
-        self.runner = local if worker is None else ProcessRunner(worker, local, config.max_num_seqs)
+        self.admission = Admission(parts.loaded, config, self.scheduler, self.registry, self.ledger)
         #: Called after each step with (start time, forward seconds, batch size).
         self.step_listeners: list[Callable[[float, float, int], None]] = []
         self.step = StepActor(
@@ -113,25 +79,14 @@ class Engine:
         **config: Any,
     ) -> AsyncIterator[Engine]:
         """Load `model` and run an engine for the duration of the block."""
-        engine_config = EngineConfig.from_kwargs(**config)
-        torch_device = select_device(device)
-        if engine_config.model_threads:
-            torch.set_num_threads(engine_config.model_threads)
-        loaded = await anyio.to_thread.run_sync(
-            lambda: load_model(model, device=torch_device, dtype=dtype, seed=engine_config.seed)
-        )
-        worker = None
-        if engine_config.worker == "process":
-            threads = engine_config.model_threads
-            worker = WorkerSpec(model, str(torch_device), dtype, engine_config.seed, threads)
-        engine = cls(loaded, engine_config, torch_device, worker)
+        engine = cls(await load_parts(model, device, dtype, config))
         log.info(
             "engine open model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
-            loaded.name,
-            torch_device,
-            loaded.model.dtype,
+            engine.loaded.name,
+            engine.device,
+            engine.loaded.model.dtype,
             engine.pool.num_blocks,
-            engine_config.block_size,
+            engine.config.block_size,
             engine.max_model_len,
         )
         try:
@@ -394,28 +349,6 @@ class Engine:
     def _after_step(self, started: float, forward_seconds: float, batch: int) -> None:
         for listener in self.step_listeners:
             listener(started, forward_seconds, batch)
-
-
-async def run_worker(
-    runner: ProcessRunner, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    """The model worker process as a task of the engine's group: the engine serves at
-    once (steps run in-process until a worker is ready); a worker that exits is
-    replaced; closing the group stops and reaps the worker."""
-    task_status.started()
-    try:
-        while True:
-            try:
-                await anyio.to_thread.run_sync(runner.start, abandon_on_cancel=True)
-            except WorkerDied as exc:
-                log.error("%s; steps run in-process", exc)
-                return
-            await anyio.to_thread.run_sync(runner.wait_exited, abandon_on_cancel=True)
-            runner.restarts += 1
-            log.warning("the model worker exited; starting a new one (restart %d)", runner.restarts)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(runner.stop)
 
 
 __all__ = ["Engine", "RequestStatus"]

@@ -28,7 +28,7 @@ import anyio
 import attrs
 from anyio.abc import TaskStatus
 
-from .audit import AuditLog
+from .audit import AuditLog, record_of
 from .registry import Registry
 from .request import RequestState
 from .scheduler import Scheduler
@@ -105,7 +105,7 @@ async def run_request(
                         if not unpinned.is_set():
                             log.error("request %s: the step did not unpin its blocks", state.id)
                     state.mark_released()
-                    actors.audit.write(state.audit_record())
+                    actors.audit.write(record_of(state))
                     _publish(state, actors.ledger)
     finally:
         state.children_group = None

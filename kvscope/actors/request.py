@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -126,6 +125,12 @@ class RequestState:
     def status(self) -> RequestStatus:
         """Queued < running < preempted < finished / cancelled / failed < released."""
         return self.seq.status
+
+    @property
+    def is_released(self) -> bool:
+        """Its end is complete: blocks released, audit line written, end published
+        (the cleanup does all three without an await between them)."""
+        return self.seq.status is RequestStatus.RELEASED
 
     @property
     def public_status(self) -> str:
@@ -269,9 +274,6 @@ class RequestState:
                 waiter.set()
             self._waiters.clear()
 
-    async def wait_changed(self) -> None:
-        await wait_any_changed([self])
-
     def mark_released(self) -> None:
         """(its task's cleanup) Its blocks are back in the pool: the last status."""
         self.released_at = time.perf_counter()
@@ -312,7 +314,7 @@ class RequestState:
 
     @property
     def result(self) -> Completion:
-        if not self.ended.is_set():
+        if not self.is_released:
             raise RuntimeError(f"request {self.id} has not ended yet")
         return Completion(
             id=self.id,
@@ -342,34 +344,3 @@ class RequestState:
             created=self.created_wall,
             error=self.error,
         )
-
-    def audit_record(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "parent": self.parent.id if self.parent is not None else None,
-            "key": self.owner,
-            "finish_reason": self.finish_reason,
-            "cancel_reason": self.cancel_reason if self.finish_reason == "cancelled" else None,
-            "cancelled_by": self.cancelled_by if self.finish_reason == "cancelled" else None,
-            "created": self.created_wall,
-            "cancelled": self.cancelled_wall if self.finish_reason == "cancelled" else None,
-            "released": self.released_wall,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generated_tokens": len(self.token_ids),
-            "blocks_released": self.blocks_released,
-            "error": self.error,
-        }
-
-
-async def wait_any_changed(states: list[RequestState]) -> None:
-    """Wait until any of `states` publishes a delta or ends (no task group needed, so a
-    stream generator may call it)."""
-    event = anyio.Event()
-    for state in states:
-        state._waiters.append(event)
-    try:
-        await event.wait()
-    finally:
-        for state in states:
-            if event in state._waiters:
-                state._waiters.remove(event)

@@ -118,10 +118,8 @@ class Sequence:
 
     @status.setter
     def status(self, value: RequestStatus) -> None:
-        # An end is never undone: the scheduler may still move an ended sequence
-        # (preempt it) before its request leaves the scheduler, and a second end
-        # (a cancel after a natural finish) must not overwrite the first. Only the
-        # release follows an end.
+        # An end is never undone (a preemption before the request leaves, or a second
+        # end, changes nothing); only the release follows it.
         if self._status.is_final and value is not RequestStatus.RELEASED:
             return
         self._status = value
