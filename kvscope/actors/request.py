@@ -78,23 +78,7 @@ class RequestState:
             params=params,
             owner=self,
         )
-        self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_ids.update(tokenizer.eos_token_ids)
-        # What sampling reads beyond the parameters (penalties, min_tokens, a grammar).
-        self.sampling: RowState | None = None
-        if params.penalized or guide is not None:
-            self.sampling = RowState(
-                self.seq.tokens, len(prompt_ids), frozenset(self._stop_ids), guide
-            )
-        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.text = ""
-        self._emitted = 0  # characters of `text` already published
-        self.token_ids: list[int] = []
-        self.log: list[Delta] = []
-        self._waiters: list[anyio.Event] = []  # set at the next delta or the end
+        self._init_output(tokenizer, params, guide)
         # Events to wait on, each set in one place: the generation ended (by
         # `finish_generation`, for the task); the end was published, after the release
         # (by `publish_end`, for readers); the task and its children ended.
@@ -118,6 +102,28 @@ class RequestState:
         self.released_wall: float | None = None
         self.blocks_released = 0
         self.waited_for_step = False
+
+    def _init_output(
+        self, tokenizer: Tokenizer, params: SamplingParams, guide: Guide | None
+    ) -> None:
+        """What it generates and publishes, and what sampling reads."""
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids.update(tokenizer.eos_token_ids)
+        # What sampling reads beyond the parameters (penalties, min_tokens, a grammar).
+        self.sampling: RowState | None = None
+        if params.penalized or guide is not None:
+            self.sampling = RowState(
+                self.seq.tokens, self.num_prompt_tokens, frozenset(self._stop_ids), guide
+            )
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self._decoder = IncrementalDecoder(tokenizer, self.prompt_ids)
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.text = ""
+        self._emitted = 0  # characters of `text` already published
+        self.token_ids: list[int] = []
+        self.log: list[Delta] = []
+        self._waiters: list[anyio.Event] = []  # set at the next delta or the end
 
     # -- status --------------------------------------------------------------------
 
