@@ -156,7 +156,8 @@ class RequestState:
             return True
         epoch = self.root.cancel_epoch
         if not self._ancestor_cancelled and self._seen_epoch != epoch:
-            cancelled, state = False, self
+            cancelled = False
+            state: RequestState | None = self
             while state is not None:
                 if state is not self and state._seen_epoch == epoch:
                     cancelled = state._ancestor_cancelled  # its answer is current
