@@ -33,7 +33,7 @@ async def open_engine(model: str = "tiny-random", **config: Any) -> AsyncIterato
 
 
 def assert_clean(engine: Engine) -> None:
-    engine.pool.check_integrity()
+    engine.check_integrity()
     stats = engine.stats()
     assert stats["kv_blocks_in_use"] == 0, stats
     assert stats["live_requests"] == 0, stats
@@ -57,22 +57,20 @@ async def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition
 
 
 class StepGate:
-    """Holds the model step's worker thread at the start of each forward until the test
-    opens the gate, so a test can act while a step is known to be in flight."""
+    """Holds the model step's thread right before each forward (through the public
+    `engine.before_forward` hook) until the test opens the gate, so a test can act
+    while a step is known to be in flight."""
 
     def __init__(self, engine: Engine) -> None:
         import threading
 
         self.entered = threading.Event()
         self.opened = threading.Event()
-        runner = engine.step.runner
-        self._execute = runner.execute
-        runner.execute = self._gated  # type: ignore[method-assign]
+        engine.before_forward.append(self._hold)
 
-    def _gated(self, step: Any, control: Any) -> Any:
+    def _hold(self) -> None:
         self.entered.set()
         self.opened.wait(timeout=30)
-        return self._execute(step, control)
 
     async def wait_entered(self) -> None:
         import anyio

@@ -12,7 +12,10 @@ import json
 import os
 from collections import deque
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .request import RequestState
 
 
 class AuditLog:
@@ -38,3 +41,23 @@ class AuditLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def record_of(state: RequestState) -> dict[str, Any]:
+    """A released request's audit line. Only a cancelled request has a cancel reason
+    (a cancel that came after its natural finish changed nothing)."""
+    return {
+        "id": state.id,
+        "parent": state.parent.id if state.parent is not None else None,
+        "key": state.owner,
+        "finish_reason": state.finish_reason,
+        "cancel_reason": state.cancel_reason,
+        "cancelled_by": state.cancelled_by,
+        "created": state.created_wall,
+        "cancelled": state.cancelled_wall,
+        "released": state.released_wall,
+        "prompt_tokens": state.num_prompt_tokens,
+        "generated_tokens": len(state.token_ids),
+        "blocks_released": state.blocks_released,
+        "error": state.error,
+    }

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import anyio
+
 from .messages import Completion, Delta, RequestInfo
-from .request import RequestState, wait_any_changed
+from .request import RequestState
 
 
 class _Cursor:
@@ -56,9 +58,9 @@ class DeltaStream:
             delta = self._cursor.take(state)
             if delta is not None:
                 return delta
-            if state.ended.is_set():
+            if state.is_released:
                 raise StopAsyncIteration
-            await state.wait_changed()
+            await wait_any_changed([state])
 
 
 class MergedStream:
@@ -79,7 +81,7 @@ class MergedStream:
             for index, state in enumerate(self._states):
                 if self._ended[index]:
                     continue
-                ended = state.ended.is_set()  # read first: an end comes after its deltas
+                ended = state.is_released  # read first: an end comes after its deltas
                 delta = self._cursors[index].take(state)
                 if delta is not None:
                     return index, delta
@@ -107,7 +109,7 @@ class _Handle:
 
     @property
     def done(self) -> bool:
-        return self._state.ended.is_set()
+        return self._state.is_released
 
     @property
     def result(self) -> Completion:
@@ -129,7 +131,7 @@ class _Handle:
         return self._state.cancel(reason, by)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.id!r}, {self._state.status.public})"
+        return f"{type(self).__name__}({self.id!r}, {self._state.public_status})"
 
 
 class Request(_Handle):
@@ -138,3 +140,17 @@ class Request(_Handle):
 
 class Job(_Handle):
     """A detached request (`engine.submit`), addressable by id until it ends."""
+
+
+async def wait_any_changed(states: list[RequestState]) -> None:
+    """Wait until any of `states` publishes a delta or ends (no task group needed, so a
+    stream generator may call it)."""
+    event = anyio.Event()
+    for state in states:
+        state._waiters.append(event)
+    try:
+        await event.wait()
+    finally:
+        for state in states:
+            if event in state._waiters:
+                state._waiters.remove(event)

@@ -1,11 +1,12 @@
 """The small frozen values that cross actor boundaries and reach callers.
 
 * `RequestStatus`: the ordered life of a request; every status above `PREEMPTED` is
-  final, so "has it ended?" is one comparison.
+  an end, so "has it ended?" is one comparison, and `RELEASED` comes last.
 * `Delta`: one piece of a request's stream (new text and token ids).
 * `Completion`: a request's final result.
 * `CancelReport`: what `Engine.cancel` found and freed.
 * `RequestInfo`: a snapshot of one request for `GET /requests/{id}`.
+* `StepStatistics`: what the step actor is doing.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ class RequestStatus(enum.IntEnum):
     FINISHED = 3
     CANCELLED = 4
     FAILED = 5
+    #: Its blocks are back in the pool, its audit line written, its end published.
+    RELEASED = 6
 
     @property
     def is_final(self) -> bool:
+        """It has ended: finished, cancelled or failed (and perhaps released)."""
         return self > RequestStatus.PREEMPTED
 
     @property
     def public(self) -> str:
-        """The name clients see; a preempted request is still running for them."""
+        """The name clients see; a preempted request is still running for them (a
+        released one shows the end it had, see `RequestState.public_status`)."""
         return "running" if self is RequestStatus.PREEMPTED else self.name.lower()
 
 
@@ -82,7 +87,8 @@ class CancelReport:
     blocks_released: int = 0
     #: Seconds from the cancel call to the release of the request's KV blocks.
     release_seconds: float | None = None
-    #: True when the blocks were held by a running step and freed when it ended.
+    #: True when the running step pinned the blocks and the release waited for it to
+    #: drop the request (at the forward's next checkpoint, or at the step's end).
     waited_for_step: bool = False
 
     def as_dict(self) -> dict[str, object]:
@@ -116,3 +122,18 @@ class RequestInfo:
         data["children"] = list(self.children)
         data["tokens_generated"] = self.tokens_generated
         return data
+
+
+@attrs.frozen(kw_only=True)
+class StepStatistics:
+    """What the step actor is doing (`Engine.step_statistics()`), for tests and tools."""
+
+    #: Steps run, and those stopped because every sequence in them was cancelled.
+    steps: int
+    aborted_steps: int
+    #: Sequences preempted (their blocks freed, to be recomputed) so far.
+    preemptions: int
+    #: The request ids in the running step (empty between steps).
+    in_flight: tuple[str, ...]
+    #: Whether the running forward was told to stop at its next checkpoint.
+    abort_requested: bool

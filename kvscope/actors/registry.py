@@ -3,8 +3,8 @@
 Live requests stay until their task ends; ended ones move to a history, bounded by
 count and by bytes, so `GET /requests/{id}` can still answer "finished" or
 "cancelled" for a while. A retired request is folded (its per-token history dropped,
-see `RequestState.fold`) once its blocks are released, so what the history holds is
-its summary, text and token ids. Ids are
+see `RequestState.fold`), so what the history holds is its summary, text and token
+ids. Ids are
 unguessable (128 random bits), so knowing one is the capability to act on it.
 """
 
@@ -46,11 +46,10 @@ class Registry:
 
     def retire(self, state: RequestState) -> None:
         """The request's task ended: keep it in the history, bounded by count and by
-        bytes (the oldest go first). Its per-token history goes once it is released."""
+        bytes (the oldest go first), without its per-token history."""
         if self._live.pop(state.id, None) is None:
             return
-        if state.released.is_set():
-            state.fold()
+        state.fold()  # its cleanup released it before its task could end
         size = state.retained_bytes()
         self._history[state.id] = (state, size)
         self.retained_bytes += size
@@ -59,11 +58,6 @@ class Registry:
         ):
             _, (_, dropped) = self._history.popitem(last=False)
             self.retained_bytes -= dropped
-
-    def released(self, state: RequestState) -> None:
-        """A request's blocks were released: fold it if it has already retired."""
-        if state.id in self._history and not state.folded:
-            state.fold()
 
     def live(self, owner: str | None = None) -> list[RequestState]:
         return [s for s in self._live.values() if owner is None or s.owner == owner]

@@ -1,27 +1,23 @@
-"""The request actor: one task per request, in its own cancel scope.
+"""A request's state: `RequestState` is everything one request owns.
 
-`RequestState` is everything one request owns: its `Sequence`, its output so far (a
-log of `Delta`s that any number of watchers read), its children, and the facts the
-audit log records. The step actor hands it tokens with the synchronous `deliver`,
-which never waits for a consumer.
+Its `Sequence` (the scheduler's view, which keeps the request's one status), its
+output so far (a log of `Delta`s that any number of watchers read), its children, and
+the facts the audit log records. The step actor hands it tokens with the synchronous
+`deliver`, which never waits for a consumer, and ends it with `finish_generation`.
 
-`run_request` is the task: it opens the request's `CancelScope` (with the request's
-timeout as its deadline) and a task group for its children, queues the sequence, and
-waits until the generation ends. However it ends (finished, cancelled by id, by its
-caller's scope, by its parent, by timeout, by shutdown) its `finally` hands the state to
-`core.close_request`, which is synchronous: it cannot be interrupted half-way and needs
-no shield. Children run in the request's task group, so cancelling a request cancels
-its whole subtree by structure; the task itself ends when its children have.
+How it ends is decided once: by `finish_generation` (stop, length, error) or by the
+cancellation its task's cleanup settles (`settle`), whichever comes first; the other
+finds the status final and changes nothing. The task that runs it (`lifecycle.py`)
+owns the rest of its end of life.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from typing import Any, Protocol
 
 import anyio
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
 from kvscope.kernels.sampling import Guide, RowState, TokenLogprobs
 from kvscope.models.tokenizer import IncrementalDecoder, Tokenizer
@@ -33,18 +29,6 @@ from .scheduler import Sequence
 #: Bytes a folded request holds besides its text and token ids: its state, sequence,
 #: events and scope (measured with tracemalloc: about 8 KiB).
 RETAINED_OVERHEAD = 8 * 1024
-
-
-class RequestCore(Protocol):
-    """What the request task needs from the engine."""
-
-    def open_request(self, state: RequestState) -> None: ...
-
-    def close_request(self, state: RequestState, cancel_reason: str) -> None: ...
-
-    def task_entered(self, state: RequestState) -> None: ...
-
-    def retire_request(self, state: RequestState) -> None: ...
 
 
 class RequestState:
@@ -94,34 +78,20 @@ class RequestState:
             params=params,
             owner=self,
         )
-        self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_ids.update(tokenizer.eos_token_ids)
-        # What sampling reads beyond the parameters (penalties, min_tokens, a grammar).
-        self.sampling: RowState | None = None
-        if params.penalized or guide is not None:
-            self.sampling = RowState(
-                self.seq.tokens, len(prompt_ids), frozenset(self._stop_ids), guide
-            )
-        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.text = ""
-        self._emitted = 0  # characters of `text` already published
-        self.token_ids: list[int] = []
-        self.log: list[Delta] = []
-        self._waiters: list[anyio.Event] = []  # set at the next delta or the end
-        self._generation_done = anyio.Event()
-        self.ended = anyio.Event()  # the request's own generation ended and was published
-        self.released = anyio.Event()  # its KV blocks are back in the pool
-        self.task_done = anyio.Event()  # its task (and so its children) ended
+        self._init_output(tokenizer, params, guide)
+        # Events to wait on, each set in one place: the generation ended (by
+        # `finish_generation`, for the task); the end was published, after the release
+        # (by `publish_end`, for readers); the task and its children ended.
+        self.generation_ended = anyio.Event()
+        self.ended = anyio.Event()
+        self.task_done = anyio.Event()
         self.scope: anyio.CancelScope | None = None
         self.children_group: TaskGroup | None = None
+        #: Why it ended; set with the final status, in `_end`.
         self.finish_reason: str | None = None
         self.cancel_reason: str | None = None
         self.cancelled_by: str | None = None
         self.error: str | None = None
-        self.final_status: RequestStatus | None = None
         self.created_wall = time.time()
         self.created = time.perf_counter()
         self.first_token_at: float | None = None
@@ -133,11 +103,48 @@ class RequestState:
         self.blocks_released = 0
         self.waited_for_step = False
 
+    def _init_output(
+        self, tokenizer: Tokenizer, params: SamplingParams, guide: Guide | None
+    ) -> None:
+        """What it generates and publishes, and what sampling reads."""
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids.update(tokenizer.eos_token_ids)
+        # What sampling reads beyond the parameters (penalties, min_tokens, a grammar).
+        self.sampling: RowState | None = None
+        if params.penalized or guide is not None:
+            self.sampling = RowState(
+                self.seq.tokens, self.num_prompt_tokens, frozenset(self._stop_ids), guide
+            )
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self._decoder = IncrementalDecoder(tokenizer, self.prompt_ids)
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.text = ""
+        self._emitted = 0  # characters of `text` already published
+        self.token_ids: list[int] = []
+        self.log: list[Delta] = []
+        self._waiters: list[anyio.Event] = []  # set at the next delta or the end
+
     # -- status --------------------------------------------------------------------
 
     @property
     def status(self) -> RequestStatus:
-        return self.final_status if self.final_status is not None else self.seq.status
+        """Queued < running < preempted < finished / cancelled / failed < released."""
+        return self.seq.status
+
+    @property
+    def is_released(self) -> bool:
+        """Its end is complete: blocks released, audit line written, end published
+        (the cleanup does all three without an await between them)."""
+        return self.seq.status is RequestStatus.RELEASED
+
+    @property
+    def public_status(self) -> str:
+        """What clients see: a released request shows the end it had."""
+        status = self.seq.status
+        if status is RequestStatus.RELEASED:
+            status = STATUS_OF_REASON[self.finish_reason or "cancelled"]
+        return status.public
 
     def cancel_requested(self) -> bool:
         """True once this request or an ancestor was cancelled or timed out.
@@ -149,7 +156,8 @@ class RequestState:
             return True
         epoch = self.root.cancel_epoch
         if not self._ancestor_cancelled and self._seen_epoch != epoch:
-            cancelled, state = False, self
+            cancelled = False
+            state: RequestState | None = self
             while state is not None:
                 if state is not self and state._seen_epoch == epoch:
                     cancelled = state._ancestor_cancelled  # its answer is current
@@ -173,22 +181,48 @@ class RequestState:
         return found
 
     def live_descendants(self) -> list[RequestState]:
-        return [state for state in self.descendants() if not state.task_done.is_set()]
+        return [state for state in self.descendants() if not state.status.is_final]
 
-    # -- cancelling ----------------------------------------------------------------
+    # -- ending ----------------------------------------------------------------------
 
     def cancel(self, reason: str, by: str | None = None) -> bool:
-        """Cancel the request's scope (synchronous, idempotent). False if already ended."""
-        if self.final_status is not None:
+        """Cancel the request's scope (synchronous, idempotent). False if it had ended."""
+        if self.status.is_final:
             return False
-        if self.cancel_reason is None:
-            self.cancel_reason, self.cancelled_by = reason, by
-            self.cancel_called_at = time.perf_counter()
-            self.cancelled_wall = time.time()
+        self._note_cancel(reason, by)
         if self.scope is not None:
             self.scope.cancel()
         self.root.cancel_epoch += 1
         return True
+
+    def finish_generation(self, reason: str, error: str | None = None) -> None:
+        """(step actor) The generation ended by itself (stop, length) or failed; a
+        request already ended or cancelled keeps the end it has."""
+        if self.status.is_final or self.cancel_requested():
+            return
+        self.error = error
+        self._end(reason)
+        self.generation_ended.set()
+
+    def settle(self, cancel_reason: str, by: str | None) -> None:
+        """(its task's cleanup) Unless it finished or failed, it was cancelled: record
+        why, if no `cancel` call said so first."""
+        if self.status.is_final:
+            return
+        self._note_cancel(cancel_reason, by)
+        self._end("cancelled")
+
+    def _note_cancel(self, reason: str, by: str | None) -> None:
+        if self.cancel_reason is None:  # the first to ask gives the reason
+            self.cancel_reason, self.cancelled_by = reason, by
+            self.cancel_called_at = time.perf_counter()
+            self.cancelled_wall = time.time()
+
+    def _end(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.seq.status = STATUS_OF_REASON[reason]
+        if self.sampling is not None:
+            self.sampling.guide = None  # its grammar state goes with the request
 
     # -- output (called by the step actor, synchronously) ----------------------------
 
@@ -220,15 +254,6 @@ class RequestState:
         elif reason is not None:
             self.finish_generation(reason)
 
-    def finish_generation(self, reason: str, error: str | None = None) -> None:
-        """The generation ended by itself (stop, length) or failed; wake the task."""
-        if self.finish_reason is not None or self.final_status is not None:
-            return
-        self.finish_reason = reason
-        self.error = error
-        self.seq.status = STATUS_OF_REASON[reason]
-        self._generation_done.set()
-
     def _truncate_at_stop_string(self) -> bool:
         longest = max(len(s) for s in self.params.stop)
         window_start = max(0, self._emitted - longest)
@@ -256,31 +281,23 @@ class RequestState:
                 waiter.set()
             self._waiters.clear()
 
-    async def wait_changed(self) -> None:
-        await wait_any_changed([self])
+    def mark_released(self) -> None:
+        """(its task's cleanup) Its blocks are back in the pool: the last status."""
+        self.released_at = time.perf_counter()
+        self.released_wall = time.time()
+        self.seq.status = RequestStatus.RELEASED
 
-    def mark_ended(self, reason: str) -> None:
-        """Record the final status and publish the end (called once, by the cleanup)."""
-        if self.finish_reason is None:
-            self.finish_reason = reason
-        self.final_status = STATUS_OF_REASON[self.finish_reason]
-        if self.sampling is not None:
-            self.sampling.guide = None  # its grammar state goes with the request
-        self.seq.status = self.final_status
+    def publish_end(self) -> None:
+        """(its task's cleanup) Flush the held-back text and wake every reader."""
         self._publish(None, flush=True)
         self.ended.set()
         self._notify()
-
-    def mark_released(self) -> None:
-        self.released_at = time.perf_counter()
-        self.released_wall = time.time()
-        self.released.set()
 
     def fold(self) -> None:
         """Drop the per-token history of an ended, released request, keeping what a
         look-up by id needs (its summary, text and token ids) and what a reader still
         reading is owed (the rest of the text and tokens, as one delta)."""
-        assert self.final_status is not None and self.released.is_set()
+        assert self.status is RequestStatus.RELEASED
         self.folded = True
         self.log = []
         self.token_times = []
@@ -304,7 +321,7 @@ class RequestState:
 
     @property
     def result(self) -> Completion:
-        if self.final_status is None:
+        if not self.is_released:
             raise RuntimeError(f"request {self.id} has not ended yet")
         return Completion(
             id=self.id,
@@ -320,11 +337,11 @@ class RequestState:
     def info(self) -> RequestInfo:
         return RequestInfo(
             id=self.id,
-            status=self.status.public,
+            status=self.public_status,
             text=self.text,
             token_ids=tuple(self.token_ids),
             prompt_tokens=self.num_prompt_tokens,
-            finish_reason=self.finish_reason if self.final_status is not None else None,
+            finish_reason=self.finish_reason,
             cancel_reason=self.cancel_reason,
             cancelled_by=self.cancelled_by,
             parent=self.parent.id if self.parent is not None else None,
@@ -334,77 +351,3 @@ class RequestState:
             created=self.created_wall,
             error=self.error,
         )
-
-    def audit_record(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "parent": self.parent.id if self.parent is not None else None,
-            "key": self.owner,
-            "finish_reason": self.finish_reason,
-            "cancel_reason": self.cancel_reason if self.finish_reason == "cancelled" else None,
-            "cancelled_by": self.cancelled_by if self.finish_reason == "cancelled" else None,
-            "created": self.created_wall,
-            "cancelled": self.cancelled_wall if self.finish_reason == "cancelled" else None,
-            "released": self.released_wall,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generated_tokens": len(self.token_ids),
-            "blocks_released": self.blocks_released,
-            "error": self.error,
-        }
-
-
-async def wait_any_changed(states: list[RequestState]) -> None:
-    """Wait until any of `states` publishes a delta or ends (no task group needed, so a
-    stream generator may call it)."""
-    event = anyio.Event()
-    for state in states:
-        state._waiters.append(event)
-    try:
-        await event.wait()
-    finally:
-        for state in states:
-            if event in state._waiters:
-                state._waiters.remove(event)
-
-
-async def run_request(
-    state: RequestState,
-    core: RequestCore,
-    *,
-    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """The request task. Its scope is the request: cancelling it ends the request."""
-    core.task_entered(state)
-    try:
-        with anyio.CancelScope() as scope:
-            if state.timeout is not None:
-                scope.deadline = anyio.current_time() + state.timeout
-            parent_deadline = state.parent.deadline if state.parent is not None else scope.deadline
-            state.deadline = min(scope.deadline, parent_deadline)
-            state.scope = scope
-            async with anyio.create_task_group() as children:
-                state.children_group = children
-                try:
-                    core.open_request(state)
-                    # Siblings submitted together join before the caller resumes, so
-                    # none can find the family already ended.
-                    while state.pending_children:
-                        await children.start(run_request, state.pending_children.pop(0), core)
-                    task_status.started()
-                    await state._generation_done.wait()
-                finally:
-                    core.close_request(state, _cancel_reason(state, scope))
-    finally:
-        state.children_group = None
-        core.retire_request(state)
-        state.task_done.set()
-
-
-def _cancel_reason(state: RequestState, scope: anyio.CancelScope) -> str:
-    """Why the request was cancelled, if it was: the reason given to `cancel`, else the
-    deadline, else an ancestor's cancellation."""
-    if state.cancel_reason is not None:
-        return state.cancel_reason
-    if scope.deadline != float("inf") and anyio.current_time() >= scope.deadline:
-        return "timeout"
-    return "parent" if state.parent is not None else "shutdown"

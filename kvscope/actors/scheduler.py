@@ -51,12 +51,9 @@ class Sequence:
         "block_table",
         "block_hashes",
         "num_committed",
-        "status",
+        "_status",
         "fork_from",
         "share_target",
-        "in_step",
-        "release_pending",
-        "removed",
         "is_cancelled",
         "params",
         "generator",
@@ -85,10 +82,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_committed = 0  # leading full blocks registered in the prefix cache
-        self.status = RequestStatus.QUEUED
-        self.in_step = False  # its blocks are pinned by the running step
-        self.release_pending = False  # removed while pinned: freed when the step unpins
-        self.removed = False
+        self._status = RequestStatus.QUEUED
         self.is_cancelled = is_cancelled or (lambda: False)
         self.params: SamplingParams = params or SamplingParams()
         self.generator: torch.Generator | None = None
@@ -117,8 +111,21 @@ class Sequence:
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
 
+    @property
+    def status(self) -> RequestStatus:
+        """The request's status, kept here and nowhere else (`RequestState.status`)."""
+        return self._status
+
+    @status.setter
+    def status(self, value: RequestStatus) -> None:
+        # An end is never undone (a preemption before the request leaves, or a second
+        # end, changes nothing); only the release follows it.
+        if self._status.is_final and value is not RequestStatus.RELEASED:
+            return
+        self._status = value
+
     def skippable(self) -> bool:
-        return self.status.is_final or self.removed or self.is_cancelled()
+        return self._status.is_final or self.is_cancelled()
 
     def __repr__(self) -> str:
         return f"Sequence({self.id!r}, {self.status.name}, computed={self.num_computed}/{len(self.tokens)})"
@@ -158,6 +165,8 @@ class Scheduler:
         #: a parent's blocks): the prefix-cache hit rate (kvscope.replicas routes by it).
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_reused = 0
+        #: Every sequence added and not yet removed (waiting or running).
+        self._members: set[Sequence] = set()
 
     # -- membership --------------------------------------------------------------
 
@@ -174,25 +183,25 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.QUEUED
+        self._members.add(seq)
         self._push_waiting(seq)
 
     def remove(self, seq: Sequence) -> int:
         """Take `seq` out for good and drop its block references (idempotent).
 
         Returns how many block references it dropped. Blocks pinned by the running
-        step stay allocated until the step unpins them (`seq.release_pending`).
+        step stay allocated until the step unpins them (`StepActor.leave`).
         """
-        if seq.removed:
+        if seq not in self._members:
             return 0
-        seq.removed = True
-        if seq.status in (RequestStatus.QUEUED, RequestStatus.PREEMPTED):
-            self._num_waiting -= 1  # its heap entry is dropped lazily
-        elif seq in self.running:
+        self._members.discard(seq)
+        if seq in self.running:
             self.running.remove(seq)
+        else:
+            self._num_waiting -= 1  # its heap entry is dropped lazily
         dropped = len(seq.block_table)
         self.pool.release(seq.block_table)
         seq.block_table = []
-        seq.release_pending = seq.in_step and dropped > 0
         return dropped
 
     # -- scheduling ---------------------------------------------------------------
@@ -290,7 +299,7 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self._waiting and budget and len(chunks) < self.max_num_seqs:
             seq = self._waiting[0][2]
-            if seq.removed or seq.status.is_final:
+            if seq not in self._members or seq.status.is_final:
                 heapq.heappop(self._waiting)
                 continue
             if seq.skippable() or self._waits_for_parent(seq):
@@ -315,7 +324,7 @@ class Scheduler:
         return (
             parent is not None
             and parent.status is RequestStatus.RUNNING
-            and not parent.removed
+            and parent in self._members
             and parent.num_computed < seq.share_target
         )
 
@@ -347,7 +356,7 @@ class Scheduler:
         cover; at least one token is always left to compute, for the logits."""
         size = self.block_size
         parent = seq.fork_from
-        if parent is not None and parent.block_table and not parent.removed:
+        if parent is not None and parent.block_table and parent in self._members:
             shared_tokens = min(seq.share_target, parent.num_computed)
             if shared_tokens:
                 seq.block_hashes = parent.block_hashes[: shared_tokens // size]

@@ -1,25 +1,24 @@
 """The step actor: the one task that owns the model and forms every batch.
 
 Each iteration: ask the scheduler for the next step; drop every sequence whose request
-was cancelled (right before launching the kernels); pin the blocks the step reads and
-writes (+1 each, so a cancel during the forward cannot free them under it); run the
-forward and sampling in a worker thread so the event loop stays responsive; unpin
-(blocks whose request was cancelled meanwhile are freed now); advance the sequences and
-hand each live request its token with a synchronous call, never awaiting a consumer.
+ended or was cancelled (right before launching the kernels); pin the blocks the step
+reads and writes (+1 each, so nothing is freed while the forward can write it); run
+the forward and sampling in a worker thread (or the model worker process) so the event
+loop stays responsive; unpin; advance the sequences and hand each live request its
+token with a synchronous call, never awaiting a consumer.
 
-A request cancelled while its sequence is in the running step is dropped from the
-batch at the forward's next checkpoint, before each layer's attention and MLP
-(`note_cancelled` tells the runner through the step's `StepControl`); the runner hands
-its chunk back and its blocks are unpinned, and so released, right then rather than
-when the step ends. When every sequence of the step
-is cancelled, the forward stops (`StepAborted`). Idle, the actor sleeps on a wake-up
-event that any new request sets.
+It never ends a request and never calls back into the engine. A request that ends
+while its sequence is in the running step calls `leave` from its own cleanup: the
+chunk is marked in the step's `StepControl`, the forward drops its rows at its next
+checkpoint (before each layer's attention and MLP) and reports them, and this actor
+unpins their blocks right then (not at the step's end) and sets the event `leave`
+returned, which is all the request's cleanup waits for. When nobody is left in the
+step, the forward stops (`StepAborted`). Idle, the actor sleeps on a wake-up event.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -33,6 +32,7 @@ from kvscope.models.llama import StepAborted
 from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
 from kvscope.models.worker import ProcessRunner
 
+from .messages import StepStatistics
 from .scheduler import ScheduledStep, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ class StepActor:
         pool: BlockPool,
         *,
         debug: bool = False,
-        on_released: Callable[[Sequence], None],
         on_step: Callable[[float, float, int], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
@@ -55,35 +54,56 @@ class StepActor:
         self.debug = debug
         self.control = runner.new_control(self._dropped_by_worker)
         self._wakeup = anyio.Event()
-        self._in_flight: list[Sequence] = []  # the running step's sequences, by chunk
-        self._pins: list[list[int]] = []  # the blocks pinned for each of them
+        # The running step, by chunk: its sequences, the blocks pinned for each, and
+        # the event set when they are unpinned (empty between steps).
+        self._in_flight: list[Sequence] = []
+        self._pins: list[list[int]] = []
+        self._unpinned: list[anyio.Event] = []
         self._limiter = anyio.CapacityLimiter(1)
-        self._on_released = on_released
         self._on_step = on_step
+        #: Called in the model's thread right before each forward (a test may hold a
+        #: step in flight there).
+        self.before_forward: list[Callable[[], None]] = []
         self.steps = 0
         self.aborted_steps = 0
+        self.preemptions = 0
 
     def wake(self) -> None:
         self._wakeup.set()
 
-    @property
-    def abort(self) -> threading.Event:
-        """Set to stop the running forward at its next checkpoint (shutdown)."""
-        return self.control.abort
+    def stop_forward(self) -> None:
+        """Stop the running forward at its next checkpoint (shutdown)."""
+        self.control.abort.set()
 
-    def note_cancelled(self, seq: Sequence) -> None:
-        """`seq`, in the running step, was cancelled: drop it at the next checkpoint, and stop
-        the forward if nobody is left."""
+    def leave(self, seq: Sequence) -> anyio.Event | None:
+        """(a request's cleanup) `seq` ended: drop it from the running step at the next
+        checkpoint, and stop the forward if nobody is left. Returns the event set when
+        its blocks are unpinned, or None if the running step does not pin them."""
         if seq not in self._in_flight:
-            return
-        self.control.cancel(self._in_flight.index(seq))
+            return None
+        index = self._in_flight.index(seq)
+        if self._unpinned[index].is_set():
+            return None
+        self.control.cancel(index)
         if all(other.skippable() for other in self._in_flight):
             self.control.abort.set()
+        return self._unpinned[index]
+
+    def statistics(self) -> StepStatistics:
+        return StepStatistics(
+            steps=self.steps,
+            aborted_steps=self.aborted_steps,
+            preemptions=self.preemptions,
+            in_flight=tuple(seq.id for seq in self._in_flight),
+            abort_requested=self.control.abort.is_set(),
+        )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             step = self.scheduler.schedule() if self.scheduler.has_work() else None
+            if step is not None:
+                self.preemptions += len(step.preempted)
             live = [(seq, n) for seq, n in step.chunks if not seq.skippable()] if step else []
             if live:
                 await self._run_step(live, step)  # type: ignore[arg-type]
@@ -91,7 +111,7 @@ class StepActor:
             if step is not None and step.preempted:
                 await anyio.lowlevel.checkpoint()
                 continue  # admission was held back for this step; try again
-            # Idle, or all that was scheduled is cancelled and its cleanup (which wakes
+            # Idle, or all that was scheduled has ended and its cleanup (which wakes
             # us) has yet to run.
             if self.debug and step is None:
                 self.pool.check_integrity()
@@ -106,17 +126,14 @@ class StepActor:
         self._pins = [list(seq.block_table) for seq, _ in live]
         for pins in self._pins:
             self.pool.acquire(pins)
-        for seq, _ in live:
-            seq.in_step = True
         self._in_flight = [seq for seq, _ in live]
+        self._unpinned = [anyio.Event() for _ in live]
         self.control.reset()
         tokens: list[Sampled | None] | None = None
         failure: BaseException | None = None
         started = time.perf_counter()
         try:
-            tokens = await anyio.to_thread.run_sync(
-                self.runner.execute, work, self.control, limiter=self._limiter
-            )
+            tokens = await anyio.to_thread.run_sync(self._execute, work, limiter=self._limiter)
         except StepAborted:
             self.aborted_steps += 1
         except Exception as exc:  # a model failure fails this step's requests, not the engine
@@ -126,32 +143,45 @@ class StepActor:
             forward_seconds = time.perf_counter() - started
             self._unpin(range(len(live)))
             self.pool.release(copy_sources)
-            self._in_flight, self._pins = [], []
+            self._in_flight, self._pins, self._unpinned = [], [], []
         self.steps += 1
-        if failure is not None:
-            for seq, _ in live:
-                seq.owner.finish_generation("error", error=f"model step failed: {failure!r}")
-        elif tokens is not None:
-            for (seq, num_new), token in zip(live, tokens, strict=True):
-                if seq.skippable():
-                    continue
-                self.scheduler.advance(seq, num_new)
-                if token is not None:
-                    seq.owner.deliver(token.token, token.logprobs)
+        self._deliver(live, tokens, failure)
         if self._on_step is not None:
             self._on_step(started, forward_seconds, len(live))
 
+    def _deliver(
+        self,
+        live: list[tuple[Sequence, int]],
+        tokens: list[Sampled | None] | None,
+        failure: BaseException | None,
+    ) -> None:
+        """Hand each request still live its token, or the step's failure."""
+        for index, (seq, num_new) in enumerate(live):
+            if seq.skippable():
+                continue
+            if failure is not None:
+                seq.owner.finish_generation("error", error=f"model step failed: {failure!r}")
+            elif tokens is not None:
+                self.scheduler.advance(seq, num_new)
+                token = tokens[index]
+                if token is not None:
+                    seq.owner.deliver(token.token, token.logprobs)
+
+    def _execute(self, work: StepInput) -> list[Sampled | None]:
+        """(model thread) Run one step's forward and sampling."""
+        for hook in self.before_forward:
+            hook()
+        return self.runner.execute(work, self.control)
+
     def _unpin(self, chunks: range | list[int]) -> None:
-        """Unpin these chunks' blocks; a cancelled one's blocks are released now."""
+        """Unpin these chunks' blocks (those whose request ended are freed now) and
+        tell whoever waits for them."""
         for index in chunks:
-            seq = self._in_flight[index]
-            if not seq.in_step:
+            unpinned = self._unpinned[index]
+            if unpinned.is_set():
                 continue  # dropped earlier in the step
-            seq.in_step = False
             self.pool.release(self._pins[index])
-            if seq.release_pending:
-                seq.release_pending = False
-                self._on_released(seq)
+            unpinned.set()
 
     def _dropped_by_worker(self, chunks: list[int]) -> None:
         """(worker thread) The runner dropped these chunks: unpin them on the loop now."""

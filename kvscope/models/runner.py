@@ -9,8 +9,8 @@ attention metadata once, runs the forward, and samples the rows that need a toke
 forward (before every layer's attention and MLP) the runner takes the chunks cancelled
 since the last one, drops their rows from the batch (so
 the remaining layers neither compute them nor touch their KV blocks), and hands their
-indices to `StepControl.dropped`, which releases their blocks on the event loop at
-once instead of at the end of the step. When no chunk is left, or the abort flag is
+indices to `StepControl.dropped`, on which the step actor unpins (and so frees)
+their blocks on the event loop at once instead of at the end of the step. When no chunk is left, or the abort flag is
 set, the forward stops with `StepAborted`.
 """
 

@@ -22,7 +22,7 @@ What is shared, and how:
   grammar the token drawn when the step is done.
 
 If the worker dies, the step in flight fails with `WorkerDied` (its requests end with
-an error; the step actor releases their blocks), and the next step starts a new worker
+an error; their tasks release their blocks), and the next step starts a new worker
 (`restarts` counts them). A worker that died between steps is replaced before the next
 step, which then runs normally.
 """
@@ -200,8 +200,8 @@ class ProcessRunner:
 
     Until a worker is ready (at start-up, and after one died) steps run on `local`, an
     in-thread `ModelRunner` over the same shared K/V cache, so the engine serves at
-    once and never waits for a worker to boot. `run_worker` (in the engine's task
-    group) starts workers and notices when one exits.
+    once and never waits for a worker to boot. `actors/parts.py: run_worker` (in the
+    engine's task group) starts workers and notices when one exits.
     """
 
     def __init__(self, spec: WorkerSpec, local: ModelRunner, max_chunks: int) -> None:

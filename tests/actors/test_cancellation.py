@@ -4,6 +4,8 @@ other requests undisturbed. Runs on asyncio and trio."""
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import pytest
 
@@ -25,8 +27,7 @@ def assert_cancelled(engine: Engine, request_id: str, reason: str) -> None:
     assert len(lines) == 1, lines
     assert lines[0]["finish_reason"] == "cancelled" and lines[0]["cancel_reason"] == reason
     assert lines[0]["released"] is not None
-    state = engine.registry.get(request_id)
-    assert state is not None and state.released.is_set() and state.seq.block_table == []
+    assert request_id not in engine.step_statistics().in_flight
 
 
 async def test_cancel_by_id_while_queued():
@@ -38,7 +39,7 @@ async def test_cancel_by_id_while_queued():
         report = await engine.cancel(queued.id, reason="user", by="tester")
         assert report.found and report.status == "queued"
         assert report.blocks_released == 0 and report.tokens_generated == 0
-        assert report.release_seconds is not None and report.release_seconds >= 0
+        assert report.release_seconds is not None and not report.waited_for_step
         assert_cancelled(engine, queued.id, "user")
         assert engine.get(queued.id).cancelled_by == "tester"
         assert (await queued.wait()).finish_reason == "cancelled"
@@ -48,11 +49,22 @@ async def test_cancel_by_id_while_queued():
 async def test_cancel_by_id_during_a_prefill_chunk():
     async with open_engine(max_num_batched_tokens=8) as engine:
         job = await engine.submit(list(range(200)), **LONG)
-        seq = engine.sequence_of(job.id)
-        await wait_for(lambda: 0 < seq.num_computed < 150)
-        report = await engine.cancel(job.id)
+        await wait_for(lambda: engine.step_statistics().steps >= 2)
+        gate = StepGate(engine)  # the next prefill chunk is held in flight
+        await gate.wait_entered()
+        assert job.id in engine.step_statistics().in_flight
+        async with anyio.create_task_group() as tg:
+            reports = []
+
+            async def cancel() -> None:
+                reports.append(await engine.cancel(job.id))
+
+            tg.start_soon(cancel)
+            await wait_for(lambda: engine.step_statistics().abort_requested)
+            gate.open()
+        (report,) = reports
         assert report.status == "running" and report.tokens_generated == 0
-        assert report.blocks_released >= 1
+        assert report.blocks_released >= 1 and report.waited_for_step
         assert_cancelled(engine, job.id, "user")
         assert engine.stats()["kv_blocks_in_use"] == 0
 
@@ -79,8 +91,7 @@ async def test_cancel_during_a_running_step_frees_blocks_when_the_step_unpins_an
         await wait_for(lambda: job.info().tokens_generated >= 1)
         gate = StepGate(engine)
         await gate.wait_entered()
-        seq = engine.sequence_of(job.id)
-        assert seq.in_step
+        assert engine.step_statistics().in_flight == (job.id,)
         held = engine.stats()["kv_blocks_in_use"]
         assert held > 0
         async with anyio.create_task_group() as tg:
@@ -90,15 +101,16 @@ async def test_cancel_during_a_running_step_frees_blocks_when_the_step_unpins_an
                 reports.append(await engine.cancel(job.id))
 
             tg.start_soon(cancel)
-            # The cleanup ran, but the step still pins the blocks, and the step is told
-            # to abort because nobody is left in it.
-            await wait_for(lambda: engine.step.abort.is_set())
+            # The cleanup began, but the step still pins the blocks, and the step is
+            # told to abort because nobody is left in it.
+            await wait_for(lambda: engine.step_statistics().abort_requested)
+            assert engine.get(job.id).status == "cancelled"
             assert engine.stats()["kv_blocks_in_use"] == held
-            assert not engine.registry.get(job.id).released.is_set()
+            assert audit_lines(engine, job.id) == []  # not released yet
             gate.open()
         (report,) = reports
         assert report.waited_for_step
-        assert engine.step.aborted_steps == 1
+        assert engine.step_statistics().aborted_steps == 1
         assert engine.stats()["kv_blocks_in_use"] == 0
         assert_cancelled(engine, job.id, "user")
 
@@ -111,10 +123,8 @@ async def test_caller_scope_cancelled_cancels_the_request():
                     scope.cancel()
         assert scope.cancelled_caught
         assert_cancelled(engine, request.id, "scope")
-        assert (
-            engine.stats()["kv_blocks_in_use"] == 0
-            or engine.registry.get(request.id).waited_for_step
-        )
+        # Leaving the block waited for the release, in the step or not.
+        assert engine.stats()["kv_blocks_in_use"] == 0
 
 
 async def test_move_on_after_around_generate_cancels_and_frees():
@@ -150,7 +160,6 @@ async def test_request_timeout_cancels_with_reason_timeout():
         job = await engine.submit("slow", timeout=0.05, **LONG)
         result = await job.wait()
         assert result.finish_reason == "cancelled" and result.cancel_reason == "timeout"
-        await wait_for(lambda: engine.registry.get(job.id).released.is_set())
         assert_cancelled(engine, job.id, "timeout")
 
 
@@ -252,24 +261,53 @@ async def test_a_request_cancelled_mid_step_leaves_the_batch_at_the_next_layer()
         gate = StepGate(engine)
         await gate.wait_entered()
         steps.clear()  # from here on, the first step reported is the gated one
-        victim_seq, survivor_seq = engine.sequence_of(victim.id), engine.sequence_of(survivor.id)
-        assert victim_seq.in_step and survivor_seq.in_step
+        assert {victim.id, survivor.id} <= set(engine.step_statistics().in_flight)
         reports = []
         async with anyio.create_task_group() as tg:
 
             async def cancel() -> None:
-                reports.append(await engine.cancel(victim.id))
+                called = time.perf_counter()
+                report = await engine.cancel(victim.id)
+                reports.append((called, report))
 
             tg.start_soon(cancel)
             await wait_for(lambda: engine.get(victim.id).status == "cancelled")
-            assert not engine.step.abort.is_set()  # the survivor still wants this step
+            # the survivor still wants this step
+            assert not engine.step_statistics().abort_requested
             gate.open()
-        (report,) = reports
+        ((called, report),) = reports
         assert report.waited_for_step and report.blocks_released > 0
         await wait_for(lambda: len(steps) >= 1)
         started, seconds = steps[0]
-        released_at = engine.registry.get(victim.id).released_at
-        assert released_at < started + seconds  # freed before the step ended
-        assert engine.step.aborted_steps == 0
+        assert report.release_seconds is not None
+        assert called + report.release_seconds < started + seconds  # before the step ended
+        assert engine.step_statistics().aborted_steps == 0
         assert (await survivor.wait()).token_ids == alone.token_ids
         assert_cancelled(engine, victim.id, "user")
+
+
+async def test_a_cancel_after_a_natural_finish_and_before_its_cleanup_changes_nothing():
+    """The step delivers a request's last token, and a cancel arrives before the
+    request's task has run its cleanup: the request stays finished."""
+    async with open_engine() as engine:
+        ids: list[str] = []
+        attempts: list[bool] = []
+
+        def cancel_once_finished(*_step: object) -> None:  # right after the step delivered
+            for request_id in ids:
+                info = engine.get(request_id)
+                if info is not None and info.status == "finished" and not attempts:
+                    attempts.append(engine.cancel_nowait(request_id, reason="user", by="late"))
+
+        engine.step_listeners.append(cancel_once_finished)
+        job = await engine.submit("finish first", max_tokens=3, ignore_eos=True)
+        ids.append(job.id)
+        result = await job.wait()
+        assert attempts == [False]
+        assert result.finish_reason == "length" and result.cancel_reason is None
+        info = engine.get(job.id)
+        assert info.status == "finished" and info.finish_reason == "length"
+        assert info.cancel_reason is None and info.cancelled_by is None
+        (line,) = audit_lines(engine, job.id)
+        assert line["finish_reason"] == "length" and line["cancel_reason"] is None
+        assert engine.stats()["finished"] == 1 and engine.stats()["cancelled"] == 0

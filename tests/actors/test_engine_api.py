@@ -199,17 +199,6 @@ async def test_drain_waits_for_live_requests_and_stops_accepting():
             await engine.submit("after drain")
 
 
-async def test_the_checkpoints_generation_defaults_fill_in_unset_sampling_fields(engine: Engine):
-    import attrs
-
-    engine.loaded = attrs.evolve(engine.loaded, generation_defaults={"temperature": 0.0})
-    greedy = await engine.generate("defaults", max_tokens=12, temperature=0, ignore_eos=True)
-    defaulted = await engine.generate("defaults", max_tokens=12, ignore_eos=True)
-    assert defaulted.token_ids == greedy.token_ids
-    hot = await engine.generate("defaults", max_tokens=12, temperature=1.5, seed=1, ignore_eos=True)
-    assert hot.token_ids != greedy.token_ids  # an explicit value still wins
-
-
 async def test_extreme_sampling_values_fail_nobody(engine: Engine):
     neighbour = await engine.submit("neighbour", max_tokens=8, **GREEDY)
     tiny = await engine.generate(

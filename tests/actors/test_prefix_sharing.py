@@ -26,24 +26,21 @@ async def test_children_share_the_parents_prompt_blocks():
         grown = engine.stats()["kv_blocks_in_use"] - before
         # A full copy would be 6 blocks each; a child shares 4 and copies on write the
         # block of the prompt token it recomputes (for its first logits), plus 1 new.
-        assert grown <= 3 * 2, grown
-        parent_seq = engine.sequence_of(parent.id)
-        for child in children:
-            table = engine.sequence_of(child.id).block_table
-            assert table[:4] == parent_seq.block_table[:4]
-            assert table[4] != parent_seq.block_table[4]
+        # (The parent's own decoding may take one more block meanwhile.)
+        assert grown <= 3 * 2 + 1, grown
         await engine.cancel(parent.id)
 
 
 async def test_a_repeated_prompt_hits_the_prefix_cache():
     async with open_engine() as engine:
         first = await engine.generate(PROMPT, max_tokens=4, **GREEDY)
-        assert engine.stats()["kv_blocks_cached"] >= 5
+        cached = engine.stats()["kv_blocks_cached"]
+        assert cached >= 5
         again = await engine.submit(PROMPT, max_tokens=400, **GREEDY)
         await wait_for(lambda: again.info().tokens_generated >= 1)
-        seq = engine.sequence_of(again.id)
-        cached_prefix = engine.pool.lookup(seq.block_hashes[:5])
-        assert seq.block_table[:4] == cached_prefix[:4]  # reused, not recomputed
+        # Reused, not recomputed: its first 4 blocks left the cache for its table (the
+        # 5th holds the prompt token it recomputes for its first logits).
+        assert engine.stats()["kv_blocks_cached"] <= cached - 4
         await engine.cancel(again.id)
         rerun = await engine.generate(PROMPT, max_tokens=4, **GREEDY)
         assert rerun.token_ids == first.token_ids
@@ -55,10 +52,9 @@ async def test_releasing_one_sharer_never_frees_a_block_another_holds():
         parent = await engine.submit(PROMPT, max_tokens=30, **GREEDY)
         child = await engine.submit(PROMPT, parent=parent.id, max_tokens=2000, **GREEDY)
         await wait_for(lambda: child.info().tokens_generated >= 1)
-        shared = engine.sequence_of(parent.id).block_table[:5]
         await engine.cancel(child.id)
-        for block in shared:
-            assert engine.pool.refcount(block) >= 1
+        assert engine.stats()["kv_blocks_in_use"] >= 6  # the parent's, shared ones kept
+        engine.check_integrity()
         assert (await parent.wait()).token_ids == alone.token_ids
 
 
@@ -83,13 +79,16 @@ async def test_samples_start_as_one_family_that_shares_and_cancels_together():
         assert parent.children == tuple(j.id for j in jobs[1:])
         results = [await j.wait() for j in jobs]  # max_tokens=1: none of them is refused
         assert all(r.finish_reason == "length" for r in results)
-        seeds = [engine.registry.get(j.id).params.seed for j in jobs]
-        assert seeds == [5, 6, 7, 8]
+        # Sample i draws with seed 5 + i, as a lone request with that seed does.
+        for index, result in enumerate(results):
+            alone = await engine.generate(PROMPT, max_tokens=1, temperature=0.7, seed=5 + index)
+            assert alone.token_ids == result.token_ids, index
 
         family = await engine.submit_samples(PROMPT, n=3, max_tokens=2000, **GREEDY)
         await wait_for(lambda: all(j.info().tokens_generated >= 1 for j in family))
-        tables = [engine.sequence_of(j.id).block_table for j in family]
-        assert tables[1][:4] == tables[0][:4] == tables[2][:4]
+        # One prompt's blocks (5, or 6 with the first token) and two per sample beside
+        # it (a copy of the partial block and one new), not three copies (18).
+        assert engine.stats()["kv_blocks_in_use"] <= 6 + 2 * 2 + 1
         report = await engine.cancel(family[0].id)
         assert report.cancelled_children == 2
         assert [(await j.wait()).finish_reason for j in family] == ["cancelled"] * 3

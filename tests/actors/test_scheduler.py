@@ -106,6 +106,36 @@ def test_preemption_frees_the_least_urgent_most_recent_and_it_resumes():
     pool.check_integrity()
 
 
+def test_an_end_is_never_undone_and_only_the_release_follows_it():
+    seq = Sequence("a", [1, 2])
+    seq.status = RequestStatus.FINISHED
+    for later in (RequestStatus.PREEMPTED, RequestStatus.RUNNING, RequestStatus.CANCELLED):
+        seq.status = later
+        assert seq.status is RequestStatus.FINISHED
+    seq.status = RequestStatus.RELEASED
+    assert seq.status is RequestStatus.RELEASED and seq.status.is_final
+
+
+def test_an_ended_sequence_preempted_before_it_leaves_stays_ended_and_leaves_cleanly():
+    pool, sched = make(num_blocks=4, block_size=2)
+    old = Sequence("old", [1, 2, 3])
+    new = Sequence("new", [4, 5, 6])
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)
+    run_step(sched)
+    new.status = RequestStatus.FINISHED  # its request ended; its cleanup has not run yet
+    step = run_step(sched)  # old needs a 3rd block: the ended one is the victim
+    assert [s.id for s in step.preempted] == ["new"]
+    assert new.status is RequestStatus.FINISHED and new.block_table == []
+    run_step(sched)
+    assert new not in sched.running  # never readmitted
+    assert sched.remove(new) == 0 and sched.num_waiting == 0
+    assert sched.remove(old) > 0
+    assert pool.num_in_use == 0 and not sched.has_work()
+    pool.check_integrity()
+
+
 def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_least_urgent():
     pool, sched = make(num_blocks=2, block_size=2)
     urgent = Sequence("urgent", [1, 2], priority=0)

@@ -245,3 +245,18 @@ def test_generation_config_supplies_eos_and_defaults(broken: Path) -> None:
     assert loaded.config.eos_token_ids == (1, 4)
     assert loaded.tokenizer.eos_token_ids == (1, 4)
     assert loaded.generation_defaults == {"temperature": 0.7, "top_p": 0.9}
+
+
+@pytest.mark.anyio
+async def test_the_checkpoints_generation_defaults_fill_in_unset_sampling_fields(
+    broken: Path, open_engine: Any, anyio_backend: str
+) -> None:
+    (broken / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    async with open_engine(str(broken)) as engine:
+        greedy = await engine.generate("defaults", max_tokens=12, temperature=0, ignore_eos=True)
+        defaulted = await engine.generate("defaults", max_tokens=12, ignore_eos=True)
+        assert defaulted.token_ids == greedy.token_ids
+        hot = await engine.generate(
+            "defaults", max_tokens=12, temperature=1.5, seed=1, ignore_eos=True
+        )
+        assert hot.token_ids != greedy.token_ids  # an explicit value still wins

@@ -1,0 +1,232 @@
+"""Admission: whether a `RequestSpec` may become a request, and its `RequestState`s.
+
+It owns the engine's limits on one request (the context, `max_prompt_bytes`, the
+queue, a family's depth and size), tokenizing (off the loop when the text is big),
+the sampling parameters a request ends up with (the checkpoint's generation defaults
+under the caller's, checked against the vocabulary and the structured-output
+compiler), and building the states of a request and its samples. `prepare` is the
+part that awaits (tokenizing); `admit` is synchronous, so its checks and the counts
+they guard cannot interleave with another request's.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import attrs
+from anyio.abc import TaskGroup
+
+from kvscope.config import PROMPT_BYTES_PER_TOKEN, EngineConfig
+from kvscope.errors import EngineOverloaded, InvalidRequest, RequestConflict, UnknownRequest
+from kvscope.kernels.guided import GuideCompiler
+from kvscope.kernels.sampling import make_generator
+from kvscope.models.loader import LoadedModel
+from kvscope.params import SamplingParams
+from kvscope.text import utf8_size
+
+from .lifecycle import Ledger
+from .registry import Registry, new_request_id
+from .request import RequestState
+from .scheduler import Scheduler
+from .spec import Prompt, RequestSpec
+
+T = TypeVar("T")
+
+
+class Admission:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        registry: Registry,
+        ledger: Ledger,
+    ) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.guides = GuideCompiler(self.tokenizer, loaded.config.vocab_size)
+        self.scheduler = scheduler
+        self.registry = registry
+        self.ledger = ledger
+        self._rng = random.Random(config.seed)
+        # One sequence must always fit in the pool beside the watermark, or it could
+        # never finish; cap the context to what the pool holds.
+        num_blocks = scheduler.pool.num_blocks
+        fits = (num_blocks - scheduler.watermark_blocks) * config.block_size
+        if fits <= 0:
+            raise InvalidRequest(
+                f"a pool of {num_blocks} KV blocks leaves no room beside its watermark"
+            )
+        positions = loaded.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or positions, positions, fits)
+        self.max_prompt_bytes = config.max_prompt_bytes or (
+            PROMPT_BYTES_PER_TOKEN * self.max_model_len
+        )
+        # Tokenizing has its own threads: a flood of big prompts must never hold up the
+        # step actor's thread (which takes the default limiter's).
+        self._tokenize_limiter = anyio.CapacityLimiter(2)
+
+    # -- the part that awaits -------------------------------------------------------------
+
+    async def prepare(self, spec: RequestSpec) -> tuple[SamplingParams, list[int]]:
+        """The request's sampling parameters and prompt tokens."""
+        params = self.sampling_params(spec)
+        return params, await self.encode(spec.prompt)
+
+    async def encode_text(
+        self, text: str, *, add_special_tokens: bool = True, what: str = "the prompt"
+    ) -> list[int]:
+        """Tokenize a client's text: valid Unicode and at most `max_prompt_bytes`
+        (checked before tokenizing), and off the event loop when it is big."""
+        size = utf8_size(text, what)
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(
+                f"{what} has {size} bytes; the limit (max_prompt_bytes) is {self.max_prompt_bytes}"
+            )
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens)
+        return await self.run_off_loop(size, encode)
+
+    async def run_off_loop(self, size: int, work: Callable[[], T]) -> T:
+        """Run `work` (tokenizing, rendering a chat) in a tokenizer thread when `size`
+        (its input's bytes) is at least `tokenize_in_thread_bytes`, else here."""
+        if size < self.config.tokenize_in_thread_bytes:
+            return work()
+        return await anyio.to_thread.run_sync(work, limiter=self._tokenize_limiter)
+
+    async def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            return await self.encode_text(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            if len(prompt) > self.max_model_len:
+                raise InvalidRequest(
+                    f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}"
+                )
+            vocab = self.loaded.config.vocab_size
+            for token in prompt:
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+            return list(prompt)
+        raise InvalidRequest("the prompt must be a string or a list of token ids")
+
+    def sampling_params(self, spec: RequestSpec) -> SamplingParams:
+        sampling = dict(spec.sampling)
+        try:
+            if spec.params is None:
+                # The checkpoint's generation_config.json supplies what the caller left out.
+                params = SamplingParams(**{**self.loaded.generation_defaults, **sampling})
+            elif sampling:
+                params = attrs.evolve(spec.params, **sampling)
+            else:
+                params = spec.params
+            params.check_vocab(self.loaded.config.vocab_size)
+            self.guides.check(params)
+            return params
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    # -- the synchronous part -------------------------------------------------------------
+
+    def admit(
+        self, spec: RequestSpec, params: SamplingParams, prompt_ids: list[int], root: TaskGroup
+    ) -> tuple[RequestState, TaskGroup]:
+        """Check the limits and build the request's state (its samples as its pending
+        children); returns it and the task group its task joins. Counts its sequences
+        as admitting until their tasks queue them."""
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}"
+            )
+        if params.max_tokens > room:
+            params = attrs.evolve(params, max_tokens=room)
+        queued = self.scheduler.num_waiting + self.ledger.admitting
+        if queued + spec.samples > self.config.max_queued_requests:
+            raise EngineOverloaded(
+                f"{queued} sequences are already queued; the limit (max_queued_requests) "
+                f"is {self.config.max_queued_requests}"
+            )
+        if spec.request_id is not None and spec.request_id in self.registry:
+            raise RequestConflict(f"request id {spec.request_id!r} is already in use")
+        parent, group = self._parent(spec, root)
+        self._check_family(parent, spec.samples)
+        state = self._new_state(spec, spec.request_id, prompt_ids, params, parent)
+        for index in range(1, spec.samples):
+            seed = None if params.seed is None else (params.seed + index) % 2**64
+            sample = attrs.evolve(params, seed=seed)
+            state.pending_children.append(self._new_state(spec, None, prompt_ids, sample, state))
+        self.ledger.admitting += spec.samples
+        return state, group
+
+    def unadmit(self, state: RequestState, samples: int) -> None:
+        """Its task could not start (its parent's group closed meanwhile)."""
+        state.root.family_size -= samples
+        self.ledger.admitting -= samples
+
+    def _parent(self, spec: RequestSpec, root: TaskGroup) -> tuple[RequestState | None, TaskGroup]:
+        if spec.parent is None:
+            return None, root
+        parent = self.registry.get(spec.parent)
+        if parent is None or (spec.owner is not None and parent.owner != spec.owner):
+            raise UnknownRequest(f"no parent request {spec.parent!r}")
+        if parent.children_group is None or parent.cancel_requested():
+            raise RequestConflict(f"parent request {spec.parent!r} has ended")
+        return parent, parent.children_group
+
+    def _check_family(self, parent: RequestState | None, samples: int) -> None:
+        """Refuse a request that would make its parent chain or its family too big:
+        every level of the chain nests one more cancel scope, and cancelling a family
+        reaches each member."""
+        config = self.config
+        depth = parent.depth + 1 if parent is not None else 0
+        if depth > config.max_request_depth:
+            raise InvalidRequest(
+                f"the parent chain is too deep: this request would have {depth} ancestors; "
+                f"the limit (max_request_depth) is {config.max_request_depth}"
+            )
+        if samples > config.max_family_size:
+            raise InvalidRequest(
+                f"{samples} samples exceed the limit on one family's size "
+                f"(max_family_size) of {config.max_family_size}"
+            )
+        if parent is not None and parent.root.family_size + samples > config.max_family_size:
+            raise EngineOverloaded(
+                f"the family of {parent.root.id!r} already has {parent.root.family_size} "
+                f"live requests; the limit (max_family_size) is {config.max_family_size}"
+            )
+
+    def _new_state(
+        self,
+        spec: RequestSpec,
+        request_id: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        parent: RequestState | None,
+    ) -> RequestState:
+        state = RequestState(
+            request_id=request_id or new_request_id(self.config.request_id_prefix),
+            prompt_ids=prompt_ids,
+            params=params,
+            tokenizer=self.tokenizer,
+            priority=spec.priority,
+            parent=parent,
+            owner=spec.owner,
+            timeout=spec.timeout,
+            guide=self.guides.guide(params),
+        )
+        state.root.family_size += 1  # until its task ends
+        if spec.owner is not None and self.config.isolate_prefix_cache:
+            salt = hashlib.blake2b(spec.owner.encode(), digest_size=16).digest()
+            state.seq.cache_salt = salt
+        if not params.greedy:
+            state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
+        return state

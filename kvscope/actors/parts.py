@@ -1,0 +1,103 @@
+"""What an engine is built of: the model (loaded off the event loop), and the block
+pool, the scheduler, the K/V cache and the model runner sized from its config; and
+`run_worker`, the model worker process's task in the engine's group."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import anyio
+import attrs
+import torch
+from anyio.abc import TaskStatus
+
+from kvscope.cache.block_pool import BlockPool
+from kvscope.cache.kv_cache import KVCache
+from kvscope.config import EngineConfig
+from kvscope.kernels.device import select_device
+from kvscope.models.loader import LoadedModel, load_model
+from kvscope.models.runner import ModelRunner
+from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
+
+from .scheduler import Scheduler
+
+log = logging.getLogger("kvscope.requests")
+
+
+@attrs.frozen
+class Parts:
+    loaded: LoadedModel
+    config: EngineConfig
+    device: torch.device
+    pool: BlockPool
+    scheduler: Scheduler
+    kv_cache: KVCache
+    runner: ModelRunner | ProcessRunner
+
+
+async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]) -> Parts:
+    """Load `model` and build the rest around it (`Engine.open`'s arguments)."""
+    engine_config = EngineConfig.from_kwargs(**config)
+    torch_device = select_device(device)
+    if engine_config.model_threads:
+        torch.set_num_threads(engine_config.model_threads)
+    loaded = await anyio.to_thread.run_sync(
+        lambda: load_model(model, device=torch_device, dtype=dtype, seed=engine_config.seed)
+    )
+    worker = None
+    if engine_config.worker == "process":
+        threads = engine_config.model_threads
+        worker = WorkerSpec(model, str(torch_device), dtype, engine_config.seed, threads)
+    return build_parts(loaded, engine_config, torch_device, worker)
+
+
+def build_parts(
+    loaded: LoadedModel, config: EngineConfig, device: torch.device, worker: WorkerSpec | None
+) -> Parts:
+    model_config = loaded.config
+    num_blocks = config.num_kv_blocks or math.ceil(config.kv_cache_tokens / config.block_size)
+    pool = BlockPool(num_blocks, enable_prefix_caching=config.enable_prefix_caching)
+    scheduler = Scheduler(
+        pool,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        watermark=config.watermark,
+    )
+    kv_cache = KVCache(
+        num_layers=model_config.num_layers,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        dtype=loaded.model.dtype,
+        device=device,
+    )
+    # The forward runs in a worker thread, or, given a spec, in a model worker process.
+    local = ModelRunner(loaded.model, kv_cache)
+    runner = local if worker is None else ProcessRunner(worker, local, config.max_num_seqs)
+    return Parts(loaded, config, device, pool, scheduler, kv_cache, runner)
+
+
+async def run_worker(
+    runner: ProcessRunner, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """The model worker process as a task of the engine's group: the engine serves at
+    once (steps run in-process until a worker is ready); a worker that exits is
+    replaced; closing the group stops and reaps the worker."""
+    task_status.started()
+    try:
+        while True:
+            try:
+                await anyio.to_thread.run_sync(runner.start, abandon_on_cancel=True)
+            except WorkerDied as exc:
+                log.error("%s; steps run in-process", exc)
+                return
+            await anyio.to_thread.run_sync(runner.wait_exited, abandon_on_cancel=True)
+            runner.restarts += 1
+            log.warning("the model worker exited; starting a new one (restart %d)", runner.restarts)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(runner.stop)
