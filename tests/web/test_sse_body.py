@@ -1,6 +1,7 @@
 """StreamBody, the SSE body, without a server: a body dropped before anyone iterated it
 (the client left between the route's return and the stream's start) still cancels its
-request, and a body that ran to its end cancels nothing."""
+request, and a body that ran to its end cancels nothing. The per-token templates give
+the bytes of the event objects they stand for."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import pytest
 
 from kvscope.web.context import ServerContext
 from kvscope.web.metrics import Metrics
+from kvscope.web.openai_format import ChunkFormat
 from kvscope.web.settings import ServerSettings
-from kvscope.web.sse import StreamBody
+from kvscope.web.sse import StreamBody, encode
 from tests.conftest import open_engine, wait_for
-
-pytestmark = pytest.mark.anyio
 
 
 async def _events(job):  # the shape of the routes' generators: consume only
@@ -22,6 +22,7 @@ async def _events(job):  # the shape of the routes' generators: consume only
         yield {"id": job.id, "text": delta.text}
 
 
+@pytest.mark.anyio
 async def test_a_body_dropped_unread_cancels_its_request():
     async with open_engine() as engine:
         ctx = ServerContext(engine, ServerSettings(), Metrics())
@@ -35,6 +36,7 @@ async def test_a_body_dropped_unread_cancels_its_request():
         assert ctx.open_streams == 0
 
 
+@pytest.mark.anyio
 async def test_a_body_read_to_its_end_cancels_nothing():
     async with open_engine() as engine:
         ctx = ServerContext(engine, ServerSettings(), Metrics())
@@ -46,3 +48,16 @@ async def test_a_body_read_to_its_end_cancels_nothing():
         gc.collect()
         assert job.result.finish_reason == "length"
         assert ctx.open_streams == 0
+
+
+TEXTS = ["", " word", 'a "quoted" \\ back', "tab\tnew\nline\r\x00\x1f", "é漢字🙂", "\ud800"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_per_token_chunk_template_is_the_chunk_object(chat: bool) -> None:
+    """The per-token path fills a pre-built template; its bytes are those of the chunk
+    object every other chunk is encoded from, whatever the text holds."""
+    fmt = ChunkFormat('cmpl-"1"', 1_700_000_000, "tiny/é", chat=chat)
+    for index in (0, 7, 123):
+        for text in TEXTS:
+            assert fmt.text_chunk(index, text) == encode(fmt.chunk(index, text, None))
