@@ -1,8 +1,8 @@
 """Server-sent events: the body of every streaming response.
 
 `StreamBody` wraps an async generator of events and is handed to Quart as a response
-body. An event is a dict (sent as one `data:` line of JSON), a literal string (such as
-`[DONE]`), or bytes already framed by `frame`/`encode`: a generator that has several
+body. An event is a dict (sent as one `data:` line of JSON), a string sent as it is
+(JSON text already encoded, or a literal such as `[DONE]`), or bytes already framed by `frame`/`encode`: a generator that has several
 messages ready at once yields them joined, so they go out in one write, and the
 per-token path can hand over pre-encoded bytes (no dict, no `json.dumps` per token). Quart iterates it after the route returned, in the connection's task,
 so (STYLE 11) it holds no task group or cancel scope across a `yield`; it only
@@ -43,8 +43,8 @@ def frame(data: str) -> bytes:
 
 
 def encode(event: Event | str | bytes) -> bytes:
-    """One SSE message: `data: <json>` (or a literal like `[DONE]`) and a blank line;
-    bytes are already messages and pass through."""
+    """One SSE message: `data: <json>` (a string as it is) and a blank line; bytes are
+    already messages and pass through."""
     if isinstance(event, bytes):
         return event
     return frame(event if isinstance(event, str) else dumps(event))

@@ -9,11 +9,14 @@ import gc
 
 import pytest
 
+from kvscope import Delta
+from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.web.context import ServerContext
+from kvscope.web.events import TokenEvents, token_event
 from kvscope.web.metrics import Metrics
 from kvscope.web.openai_format import ChunkFormat
 from kvscope.web.settings import ServerSettings
-from kvscope.web.sse import StreamBody, encode
+from kvscope.web.sse import StreamBody, dumps, encode
 from tests.conftest import open_engine, wait_for
 
 
@@ -61,3 +64,14 @@ def test_the_per_token_chunk_template_is_the_chunk_object(chat: bool) -> None:
     for index in (0, 7, 123):
         for text in TEXTS:
             assert fmt.text_chunk(index, text) == encode(fmt.chunk(index, text, None))
+
+
+def test_the_per_token_event_template_is_the_token_event() -> None:
+    tokens = TokenEvents('req-"1"')
+    for text in TEXTS:
+        for ids in [(), (5,), (0, 12, 65535)]:
+            delta = Delta(text, ids)
+            assert tokens.json(delta) == dumps(token_event('req-"1"', delta))
+    logprobs = (TokenLogprobs(-0.5, ((3, -0.5), (4, -1.25))),)
+    delta = Delta("x", (3,), logprobs)
+    assert tokens.json(delta) == dumps(token_event('req-"1"', delta))
