@@ -79,26 +79,12 @@ class Sampling(Strict):
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments (unset optionals left out)."""
-        names = (
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "seed",
-            "stop",
-            "stop_token_ids",
-            "ignore_eos",
-            "logprobs",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "min_tokens",
-            "logit_bias",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-        )
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        values = ((name, getattr(self, name)) for name in SAMPLING_FIELDS)
+        return {name: value for name, value in values if value is not None}
+
+
+#: The `SamplingParams` fields the native API takes: all of them (tests/web/test_rules.py).
+SAMPLING_FIELDS = tuple(name for name in Sampling.model_fields if name in SamplingParams.fields())
 
 
 class GenerateBody(Sampling):

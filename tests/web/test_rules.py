@@ -18,7 +18,7 @@ import pytest
 
 from kvscope.params import PRIORITY, TIMEOUT, Bound, SamplingParams
 from kvscope.web.openai_schemas import MAX_TEMPERATURE, ChatBody, CompletionBody
-from kvscope.web.schemas import GenerateBody
+from kvscope.web.schemas import SAMPLING_FIELDS, GenerateBody
 
 from .conftest import Live, wait_clean
 
@@ -174,3 +174,7 @@ def test_sampling_params_refuses_just_outside_its_own_bounds(name: str) -> None:
     for value in outside:
         with pytest.raises(ValueError, match=f"^{name} "):
             SamplingParams(**{**extra, name: value})
+
+
+def test_the_native_api_takes_every_sampling_params_field() -> None:
+    assert set(SAMPLING_FIELDS) == SamplingParams.fields()
