@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvscope.params import PRIORITY
+from kvscope.params import PRIORITY, SamplingParams
 
 from .schemas import bounded_field, sampling_field
 
@@ -83,7 +83,7 @@ class OpenAISampling(BaseModel):
         None, description="token id (a string) -> bias in [-100, 100]; -100 bans the token"
     )
     top_k: int = sampling_field("top_k")
-    ignore_eos: bool = False
+    ignore_eos: bool = SamplingParams.default("ignore_eos")
     stop_token_ids: list[int] | None = None
     min_tokens: int = sampling_field("min_tokens")
     repetition_penalty: float = sampling_field("repetition_penalty")

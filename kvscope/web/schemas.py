@@ -28,7 +28,8 @@ def bounded_field(bound: Bound, default: Any, *, hi: float | None = None, **kwar
     limit, such as OpenAI's temperature), never widens it."""
     constraints = bound.constraints()
     if hi is not None:
-        assert hi <= bound.hi, "a schema may narrow a range, not widen it"
+        if hi > bound.hi:
+            raise ValueError(f"a schema may narrow a range, not widen it ({hi} > {bound.hi})")
         constraints["le"] = hi
     return Field(default, **constraints, **kwargs)
 
@@ -36,7 +37,8 @@ def bounded_field(bound: Bound, default: Any, *, hi: float | None = None, **kwar
 def sampling_field(name: str, default: Any = _DEFAULT, **kwargs: Any) -> Any:
     """The `Field` of `SamplingParams.name` (its default unless `default` is given)."""
     bound = SamplingParams.bound(name)
-    assert bound is not None, f"{name} has no range"
+    if bound is None:
+        raise ValueError(f"SamplingParams.{name} has no range")
     return bounded_field(
         bound, SamplingParams.default(name) if default is _DEFAULT else default, **kwargs
     )
@@ -56,7 +58,7 @@ class Sampling(Strict):
     seed: int | None = sampling_field("seed", description="any 64-bit integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = SamplingParams.default("ignore_eos")
     logprobs: int | None = sampling_field(
         "logprobs", description="each token's log-probability and the top k (raw model logits)"
     )
