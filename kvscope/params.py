@@ -153,7 +153,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
             raise ValueError(f"logit_bias values must be numbers, not {bias!r}")
         if abs(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
+            raise ValueError(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {bias}"
+            )
         pairs[key] = float(bias)
     return tuple(sorted(pairs.items()))
 

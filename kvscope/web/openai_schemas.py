@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvscope.params import PRIORITY, SamplingParams
+from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
 from .schemas import bounded_field, sampling_field
 
@@ -80,7 +80,9 @@ class OpenAISampling(BaseModel):
     presence_penalty: float = sampling_field("presence_penalty")
     frequency_penalty: float = sampling_field("frequency_penalty")
     logit_bias: dict[str, float] | None = Field(
-        None, description="token id (a string) -> bias in [-100, 100]; -100 bans the token"
+        None,
+        description=f"token id (a string) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; "
+        f"-{MAX_LOGIT_BIAS:g} bans the token",
     )
     top_k: int = sampling_field("top_k")
     ignore_eos: bool = SamplingParams.default("ignore_eos")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvscope.params import PRIORITY, TIMEOUT, Bound, SamplingParams
+from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, TIMEOUT, Bound, SamplingParams
 
 Status = Literal["queued", "running", "finished", "cancelled", "failed"]
 
@@ -73,7 +73,9 @@ class Sampling(Strict):
         "min_tokens", description="EOS and stop tokens banned until reached"
     )
     logit_bias: dict[str, float] | None = Field(
-        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+        None,
+        description=f"token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, "
+        f"{MAX_LOGIT_BIAS:g}] added to its logit",
     )
     guided_json: dict[str, Any] | None = Field(None, description="a JSON schema to match")
     guided_regex: str | None = Field(None, description="a regular expression to match")
