@@ -2,16 +2,19 @@
 
 `StreamBody` wraps an async generator of events and is handed to Quart as a response
 body. An event is a dict (sent as one `data:` line of JSON), a string sent as it is
-(JSON text already encoded, or a literal such as `[DONE]`), or bytes already framed by `frame`/`encode`: a generator that has several
-messages ready at once yields them joined, so they go out in one write, and the
-per-token path can hand over pre-encoded bytes (no dict, no `json.dumps` per token). Quart iterates it after the route returned, in the connection's task,
-so (STYLE 11) it holds no task group or cancel scope across a `yield`; it only
-consumes. When it is closed before its events ran out (the client went away, so Quart
-cancelled the connection's task and closed the body) it cancels its requests with the
+(JSON text already encoded, or a literal such as `[DONE]`), or bytes already framed
+by `frame`/`encode`: a generator that has several messages ready at once yields them
+joined, so they go out in one write, and the per-token path hands over pre-encoded
+text or bytes (no dict, no `json.dumps` per token).
+
+Quart iterates the body after the route returned, in the connection's task, so
+(STYLE 11) it holds no task group or cancel scope across a `yield`; it only consumes.
+When it is closed before its events ran out (the client went away, so Quart cancelled
+the connection's task and closed the body) it cancels its requests with the
 synchronous `engine.cancel_nowait(..., reason="disconnect")`, and so does a body that
 is dropped without ever being iterated (the client left before the stream began). It
-also counts itself in
-the server's open streams, so shutdown can wait for every final event to be sent.
+also counts itself in the server's open streams, so shutdown can wait for every final
+event to be sent.
 """
 
 from __future__ import annotations
