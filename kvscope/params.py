@@ -1,12 +1,16 @@
 """Per-request sampling parameters: one frozen attrs class, validated on construction.
 
-Invalid values raise `ValueError` naming the field, so the web layer can answer 400.
+This module is the one statement of every rule about what a request may ask: each
+numeric field's range is a `Bound` kept in the field's metadata (the HTTP schemas build
+their constraints from it, `SamplingParams.bound`), and so are the ranges of a request's
+`priority` and `timeout`. Invalid values raise `ValueError` naming the field, so the web
+layer can answer 400.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -56,27 +60,61 @@ def _non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) 
             raise ValueError(f"{attribute.name} must hold non-negative integers")
 
 
-def _number(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any, Any, Any], None]:
-    def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
+#: The largest count a request may give (`max_tokens`, `top_k`, `min_tokens`, a
+#: priority): a signed 32-bit integer, so a JSON number never becomes a huge Python int.
+INT32 = 2**31 - 1
+#: The longest timeout a request may ask for, in seconds: a week.
+TIMEOUT_MAX = 7 * 24 * 3600.0
+
+
+@attrs.frozen
+class Bound:
+    """A numeric field's range, stated once: `lo <= value <= hi` (`lo < value` when
+    `lo_open`), an integer when `integer`. It is the field's attrs validator, and the HTTP
+    schemas read it (`constraints`) rather than restating the range."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    integer: bool = False
+
+    def __call__(self, _inst: object, attribute: attrs.Attribute, value: object) -> None:
+        self.check(attribute.name, value)
+
+    def check(self, name: str, value: object) -> None:
+        """ValueError naming `name` unless `value` is in range."""
+        if self.integer:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer")
+            if value < self.lo:
+                raise ValueError(f"{name} must be >= {self.lo}")
+            if value > self.hi:
+                raise ValueError(f"{name} must be <= {self.hi}")
+            return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{attribute.name} must be a number")
-        if value != value or value > hi or value < lo or (lo_open and value == lo):
-            bound = "(" if lo_open else "["
-            raise ValueError(f"{attribute.name} must be in {bound}{lo}, {hi}]")
+            raise ValueError(f"{name} must be a number")
+        lo_out = value < self.lo or (self.lo_open and value == self.lo)
+        if value != value or value > self.hi or lo_out:
+            raise ValueError(
+                f"{name} must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+            )
 
-    return check
+    def constraints(self) -> dict[str, float]:
+        """The range as pydantic `Field` keywords (`ge`/`gt` and `le`)."""
+        return {"gt" if self.lo_open else "ge": self.lo, "le": self.hi}
 
 
-def _int_at_least(lo: int, hi: int | None = None) -> Callable[[Any, Any, Any], None]:
-    def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{attribute.name} must be an integer")
-        if value < lo:
-            raise ValueError(f"{attribute.name} must be >= {lo}")
-        if hi is not None and value > hi:
-            raise ValueError(f"{attribute.name} must be <= {hi}")
+def _bounded(default: Any, bound: Bound, *, optional: bool = False) -> Any:
+    """An attrs field checked by `bound`, which it keeps in its metadata for the schemas."""
+    validator = v.optional(bound) if optional else bound
+    return attrs.field(default=default, validator=validator, metadata={"bound": bound})
 
-    return check
+
+#: A request's priority (lower is more urgent) and timeout (seconds): not sampling, but
+#: bounded here too so that every numeric rule of a request body has one statement
+#: (`PRIORITY.check("priority", value)` raises the ValueError naming the field).
+PRIORITY = Bound(-INT32, INT32, integer=True)
+TIMEOUT = Bound(0.0, TIMEOUT_MAX, lo_open=True)
 
 
 #: Below this temperature sampling is greedy: dividing logits by less overflows them.
@@ -89,6 +127,8 @@ MAX_LOGIT_BIAS = 100.0
 #: The seeds accepted: any 64-bit integer, signed or not (what OpenAI and vLLM take,
 #: and the range `torch.Generator.manual_seed` accepts).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: Presence and frequency penalties: OpenAI's range.
+PENALTY = Bound(-2.0, 2.0)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -113,7 +153,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
             raise ValueError(f"logit_bias values must be numbers, not {bias!r}")
         if abs(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
+            raise ValueError(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {bias}"
+            )
         pairs[key] = float(bias)
     return tuple(sorted(pairs.items()))
 
@@ -146,14 +188,12 @@ def field_of(exc: ValueError) -> str | None:
 class SamplingParams:
     """How to pick each token and when to stop. `temperature=0` (or below 1e-5) is greedy."""
 
-    max_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
-    temperature: float = attrs.field(default=1.0, validator=_number(0.0, 100.0))
-    top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, lo_open=True))
-    top_k: int = attrs.field(default=0, validator=_int_at_least(0))
+    max_tokens: int = _bounded(16, Bound(1, INT32, integer=True))
+    temperature: float = _bounded(1.0, Bound(0.0, 100.0))
+    top_p: float = _bounded(1.0, Bound(0.0, 1.0, lo_open=True))
+    top_k: int = _bounded(0, Bound(0, INT32, integer=True))  # 0: off
     # The range torch.Generator.manual_seed accepts.
-    seed: int | None = attrs.field(
-        default=None, validator=v.optional(_int_at_least(SEED_MIN, SEED_MAX))
-    )
+    seed: int | None = _bounded(None, Bound(SEED_MIN, SEED_MAX, integer=True), optional=True)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_ints, validator=_non_negative_ints
@@ -163,18 +203,14 @@ class SamplingParams:
     # min_tokens, then the penalties, before temperature, top-k and top-p).
     #: Log-probabilities of each chosen token and of the `logprobs` most likely
     #: alternatives (0: the chosen token's only); None: none.
-    logprobs: int | None = attrs.field(
-        default=None, validator=v.optional(_int_at_least(0, MAX_LOGPROBS))
-    )
-    presence_penalty: float = attrs.field(default=0.0, validator=_number(-2.0, 2.0))
-    frequency_penalty: float = attrs.field(default=0.0, validator=_number(-2.0, 2.0))
+    logprobs: int | None = _bounded(None, Bound(0, MAX_LOGPROBS, integer=True), optional=True)
+    presence_penalty: float = _bounded(0.0, PENALTY)
+    frequency_penalty: float = _bounded(0.0, PENALTY)
     #: vLLM's (and transformers'): divides a positive logit of a token already in the
     #: prompt or the output by this, multiplies a negative one; 1 is off.
-    repetition_penalty: float = attrs.field(
-        default=1.0, validator=_number(0.0, 100.0, lo_open=True)
-    )
+    repetition_penalty: float = _bounded(1.0, Bound(0.0, 100.0, lo_open=True))
     #: End-of-sequence and stop token ids are banned until this many tokens are out.
-    min_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
+    min_tokens: int = _bounded(0, Bound(0, INT32, integer=True))
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
     # Structured output (vLLM's names; kernels/guided.py): at most one of these.
     #: A JSON schema the output must match (kept as canonical JSON text).
@@ -235,3 +271,17 @@ class SamplingParams:
     @classmethod
     def fields(cls) -> frozenset[str]:
         return frozenset(f.name for f in attrs.fields(cls))
+
+    @classmethod
+    def bound(cls, name: str) -> Bound | None:
+        """The range of the numeric field `name` (None for a field with no range)."""
+        return getattr(attrs.fields(cls), name).metadata.get("bound")
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        return getattr(attrs.fields(cls), name).default
+
+    @classmethod
+    def bounds(cls) -> dict[str, Bound]:
+        """Every numeric field's range, by name."""
+        return {f.name: f.metadata["bound"] for f in attrs.fields(cls) if "bound" in f.metadata}

@@ -1,15 +1,23 @@
 """The JSON events every native stream carries (SSE `data:` lines, WebSocket messages).
 
 Each is an object with a `type` and the request's `id`: `token` for each delta,
-`done` once the request ended, with its final status and reasons.
+`done` once the request ended, with its final status and reasons. `request_events`
+yields them as JSON text, encoded once for either transport. A token event is the
+per-token path: `TokenEvents` fills a template built from the request's id with the
+delta's text and token ids, giving the same text as `dumps(token_event(...))`
+(tests/web/test_sse_body.py holds the two together); a delta with log-probabilities
+takes the general path.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from kvscope import Delta, Engine
+
+from .sse import dumps
 
 Event = dict[str, Any]
 
@@ -27,6 +35,20 @@ def token_event(request_id: str, delta: Delta) -> Event:
             for lp in delta.logprobs
         ]
     return event
+
+
+class TokenEvents:
+    """`dumps(token_event(request_id, delta))`, from a template."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._open = dumps({"type": "token", "id": request_id})[:-1] + ',"text":'
+
+    def json(self, delta: Delta) -> str:
+        if delta.logprobs:
+            return dumps(token_event(self.request_id, delta))
+        ids = ",".join(map(str, delta.token_ids))
+        return f'{self._open}{encode_basestring_ascii(delta.text)},"token_ids":[{ids}]}}'
 
 
 def done_event(engine: Engine, request_id: str) -> Event:
@@ -49,9 +71,10 @@ def done_event(engine: Engine, request_id: str) -> Event:
 
 async def request_events(
     engine: Engine, request_id: str, deltas: AsyncIterator[Delta]
-) -> AsyncGenerator[Event, None]:
-    """Token events for `deltas`, then the `done` event."""
+) -> AsyncGenerator[str, None]:
+    """Token events for `deltas`, then the `done` event, as JSON text."""
+    tokens = TokenEvents(request_id)
     async for delta in deltas:
         if delta.text or delta.token_ids:
-            yield token_event(request_id, delta)
-    yield done_event(engine, request_id)
+            yield tokens.json(delta)
+    yield dumps(done_event(engine, request_id))

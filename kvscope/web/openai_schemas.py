@@ -7,9 +7,10 @@ Fields with no effect on the output (`user`, `metadata`, `store`, `service_tier`
 in every value (`best_of`, `tools`, `tool_choice`, `response_format`, `echo` with
 `logprobs`) are checked by the route, which names them in its 400. `top_k`,
 `ignore_eos`, `stop_token_ids`, `min_tokens`, `repetition_penalty` and `priority` are
-the usual vLLM extensions. Sampling bounds that `SamplingParams` owns are checked
-there (the route turns its error into a 400 naming the field); the ones here are
-OpenAI's own (`temperature` up to 2, `n`).
+the usual vLLM extensions. Numeric ranges are built from the `Bound`s of
+`kvscope.params` (`sampling_field`), never restated; the only limits of this module's
+own are OpenAI's: `temperature` up to 2 (a narrowing of `SamplingParams`' range) and
+`n` (and `best_of`) up to `MAX_N`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvscope.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
-from .schemas import INT32
+from .schemas import bounded_field, sampling_field
 
+#: OpenAI's limits, narrower than what `SamplingParams` allows.
 MAX_N = 16
+MAX_TEMPERATURE = 2.0
 
 
 class StreamOptions(BaseModel):
@@ -66,25 +69,27 @@ class OpenAISampling(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT32)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = sampling_field("max_tokens", None)
+    temperature: float = sampling_field("temperature", hi=MAX_TEMPERATURE)
+    top_p: float = sampling_field("top_p")
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="any 64-bit integer")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = sampling_field("seed", description="any 64-bit integer")
+    presence_penalty: float = sampling_field("presence_penalty")
+    frequency_penalty: float = sampling_field("frequency_penalty")
     logit_bias: dict[str, float] | None = Field(
-        None, description="token id (a string) -> bias in [-100, 100]; -100 bans the token"
+        None,
+        description=f"token id (a string) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; "
+        f"-{MAX_LOGIT_BIAS:g} bans the token",
     )
-    top_k: int = Field(0, ge=0, le=INT32)
-    ignore_eos: bool = False
+    top_k: int = sampling_field("top_k")
+    ignore_eos: bool = SamplingParams.default("ignore_eos")
     stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(0, ge=0, le=INT32)
-    repetition_penalty: float = 1.0
-    priority: int = Field(0, ge=-INT32, le=INT32)
+    min_tokens: int = sampling_field("min_tokens")
+    repetition_penalty: float = sampling_field("repetition_penalty")
+    priority: int = bounded_field(PRIORITY, 0)
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: constrained decoding"
     )
@@ -140,8 +145,8 @@ class CompletionBody(OpenAISampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = Field(False, description="the prompt's text before the completion's")
-    logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the top k per token"
+    logprobs: int | None = sampling_field(
+        "logprobs", description="log-probabilities of the top k per token"
     )
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only 1 (or unset)")
 
@@ -160,9 +165,9 @@ class ChatBody(OpenAISampling):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
+    max_completion_tokens: int | None = sampling_field("max_tokens", None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs")
+    top_logprobs: int | None = sampling_field("logprobs", description="needs logprobs")
     tools: list[dict[str, Any]] | None = Field(None, description="refused unless empty")
     tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
     parallel_tool_calls: bool | None = None

@@ -3,8 +3,10 @@
 Pydantic models: routes read bodies through `bodies.read_body` and document them with
 quart-schema, so `/openapi.json` describes exactly what is validated. Inputs are strict
 (no type coercion, unknown fields refused) and bounded, so a bad value is a 400 naming
-the field. Sampling values the engine checks itself (ranges that depend on the model)
-are checked again there.
+the field. No range is written here: each numeric field's constraints are built from
+the `Bound` that `kvscope.params` states once (`sampling_field`, `bounded_field`), the
+one the engine checks again when it builds `SamplingParams`. What depends on the model
+(the context, the vocabulary) is checked by the engine or the route.
 """
 
 from __future__ import annotations
@@ -13,12 +15,33 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvscope.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, TIMEOUT, Bound, SamplingParams
 
-INT32 = 2**31 - 1
-#: The longest timeout a request may ask for: a week.
-TIMEOUT_MAX = 7 * 24 * 3600.0
 Status = Literal["queued", "running", "finished", "cancelled", "failed"]
+
+
+_DEFAULT: Any = object()
+
+
+def bounded_field(bound: Bound, default: Any, *, hi: float | None = None, **kwargs: Any) -> Any:
+    """A pydantic `Field` constrained by `bound`; `hi` narrows its top (an API's own
+    limit, such as OpenAI's temperature), never widens it."""
+    constraints = bound.constraints()
+    if hi is not None:
+        if hi > bound.hi:
+            raise ValueError(f"a schema may narrow a range, not widen it ({hi} > {bound.hi})")
+        constraints["le"] = hi
+    return Field(default, **constraints, **kwargs)
+
+
+def sampling_field(name: str, default: Any = _DEFAULT, **kwargs: Any) -> Any:
+    """The `Field` of `SamplingParams.name` (its default unless `default` is given)."""
+    bound = SamplingParams.bound(name)
+    if bound is None:
+        raise ValueError(f"SamplingParams.{name} has no range")
+    return bounded_field(
+        bound, SamplingParams.default(name) if default is _DEFAULT else default, **kwargs
+    )
 
 
 class Strict(BaseModel):
@@ -28,27 +51,31 @@ class Strict(BaseModel):
 class Sampling(Strict):
     """`SamplingParams` fields, as the HTTP API takes them."""
 
-    max_tokens: int = Field(16, ge=1, le=INT32, description="capped to what fits in the context")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 is greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=INT32, description="0 disables top-k")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="any 64-bit integer")
+    max_tokens: int = sampling_field("max_tokens", description="capped to what fits in the context")
+    temperature: float = sampling_field("temperature", description="0 is greedy")
+    top_p: float = sampling_field("top_p")
+    top_k: int = sampling_field("top_k", description="0 disables top-k")
+    seed: int | None = sampling_field("seed", description="any 64-bit integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    # Bounds of these live on `SamplingParams` (a bad value is a 400 naming the field).
-    logprobs: int | None = Field(
-        None,
-        ge=0,
-        le=MAX_LOGPROBS,
-        description="each token's log-probability and the top k (raw model logits)",
+    ignore_eos: bool = SamplingParams.default("ignore_eos")
+    logprobs: int | None = sampling_field(
+        "logprobs", description="each token's log-probability and the top k (raw model logits)"
     )
-    presence_penalty: float = Field(0.0, description="subtracted once from tokens already out")
-    frequency_penalty: float = Field(0.0, description="subtracted per occurrence in the output")
-    repetition_penalty: float = Field(1.0, description="vLLM's; 1 is off")
-    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens banned until reached")
+    presence_penalty: float = sampling_field(
+        "presence_penalty", description="subtracted once from tokens already out"
+    )
+    frequency_penalty: float = sampling_field(
+        "frequency_penalty", description="subtracted per occurrence in the output"
+    )
+    repetition_penalty: float = sampling_field("repetition_penalty", description="vLLM's; 1 is off")
+    min_tokens: int = sampling_field(
+        "min_tokens", description="EOS and stop tokens banned until reached"
+    )
     logit_bias: dict[str, float] | None = Field(
-        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+        None,
+        description=f"token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, "
+        f"{MAX_LOGIT_BIAS:g}] added to its logit",
     )
     guided_json: dict[str, Any] | None = Field(None, description="a JSON schema to match")
     guided_regex: str | None = Field(None, description="a regular expression to match")
@@ -56,26 +83,12 @@ class Sampling(Strict):
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments (unset optionals left out)."""
-        names = (
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "seed",
-            "stop",
-            "stop_token_ids",
-            "ignore_eos",
-            "logprobs",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "min_tokens",
-            "logit_bias",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-        )
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        values = ((name, getattr(self, name)) for name in SAMPLING_FIELDS)
+        return {name: value for name, value in values if value is not None}
+
+
+#: The `SamplingParams` fields the native API takes: all of them (tests/web/test_rules.py).
+SAMPLING_FIELDS = tuple(name for name in Sampling.model_fields if name in SamplingParams.fields())
 
 
 class GenerateBody(Sampling):
@@ -83,10 +96,10 @@ class GenerateBody(Sampling):
 
     prompt: str | None = Field(None, description="the prompt text; or give prompt_token_ids")
     prompt_token_ids: list[int] | None = Field(None, description="the prompt as token ids")
-    priority: int = Field(0, ge=-INT32, le=INT32, description="lower is more urgent")
+    priority: int = bounded_field(PRIORITY, 0, description="lower is more urgent")
     parent: str | None = Field(None, description="a live request id: run as its child")
-    timeout: float | None = Field(
-        None, gt=0.0, le=TIMEOUT_MAX, description="seconds; cancels with reason timeout"
+    timeout: float | None = bounded_field(
+        TIMEOUT, None, description="seconds; cancels with reason timeout"
     )
     stream: bool = Field(False, description="answer an SSE stream of token events instead of 202")
 

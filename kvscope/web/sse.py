@@ -1,14 +1,20 @@
 """Server-sent events: the body of every streaming response.
 
-`StreamBody` wraps an async generator of events (dicts) and is handed to Quart as a
-response body. Quart iterates it after the route returned, in the connection's task,
-so (STYLE 11) it holds no task group or cancel scope across a `yield`; it only
-consumes. When it is closed before its events ran out (the client went away, so Quart
-cancelled the connection's task and closed the body) it cancels its requests with the
+`StreamBody` wraps an async generator of events and is handed to Quart as a response
+body. An event is a dict (sent as one `data:` line of JSON), a string sent as it is
+(JSON text already encoded, or a literal such as `[DONE]`), or bytes already framed
+by `frame`/`encode`: a generator that has several messages ready at once yields them
+joined, so they go out in one write, and the per-token path hands over pre-encoded
+text or bytes (no dict, no `json.dumps` per token).
+
+Quart iterates the body after the route returned, in the connection's task, so
+(STYLE 11) it holds no task group or cancel scope across a `yield`; it only consumes.
+When it is closed before its events ran out (the client went away, so Quart cancelled
+the connection's task and closed the body) it cancels its requests with the
 synchronous `engine.cancel_nowait(..., reason="disconnect")`, and so does a body that
 is dropped without ever being iterated (the client left before the stream began). It
-also counts itself in
-the server's open streams, so shutdown can wait for every final event to be sent.
+also counts itself in the server's open streams, so shutdown can wait for every final
+event to be sent.
 """
 
 from __future__ import annotations
@@ -25,12 +31,26 @@ from .context import ServerContext, disconnect_reason
 log = logging.getLogger("kvscope.web")
 
 Event = dict[str, Any]
+#: The end of an OpenAI stream.
+DONE = b"data: [DONE]\n\n"
 
 
-def encode(event: Event | str) -> bytes:
-    """One SSE message: `data: <json>` (or a literal like `[DONE]`) and a blank line."""
-    data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+def dumps(value: Any) -> str:
+    """Compact JSON, as every stream sends it."""
+    return json.dumps(value, separators=(",", ":"))
+
+
+def frame(data: str) -> bytes:
+    """One SSE message carrying `data` (one line): `data: <data>` and a blank line."""
     return f"data: {data}\n\n".encode()
+
+
+def encode(event: Event | str | bytes) -> bytes:
+    """One SSE message: `data: <json>` (a string as it is) and a blank line; bytes are
+    already messages and pass through."""
+    if isinstance(event, bytes):
+        return event
+    return frame(event if isinstance(event, str) else dumps(event))
 
 
 class StreamBody:
@@ -39,7 +59,7 @@ class StreamBody:
     def __init__(
         self,
         ctx: ServerContext,
-        events: AsyncGenerator[Event | str, None],
+        events: AsyncGenerator[Event | str | bytes, None],
         *,
         cancel_ids: Callable[[], Sequence[str]] | Sequence[str] = (),
     ) -> None:

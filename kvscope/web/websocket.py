@@ -14,7 +14,6 @@ rest; the handler's `finally` cancels the running request synchronously.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -30,6 +29,7 @@ from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError, from_engine
 from .events import request_events
 from .schemas import GenerateBody
+from .sse import dumps
 
 log = logging.getLogger("kvscope.web")
 
@@ -46,9 +46,11 @@ class _Connection:
         self.idle.set()
         self._send_lock = anyio.Lock()
 
-    async def send(self, event: dict[str, Any]) -> None:
+    async def send(self, event: dict[str, Any] | str) -> None:
+        """Send an event (a dict, or JSON text as `request_events` yields it)."""
+        text = event if isinstance(event, str) else dumps(event)
         async with self._send_lock:
-            await websocket.send(json.dumps(event, separators=(",", ":")))
+            await websocket.send(text)
 
     async def send_error(self, error: ApiError, request_id: str | None = None) -> None:
         await self.send(

@@ -146,6 +146,12 @@ async def openai_samples(soak: Soak, key: str) -> None:
                     soak.ids.add(response.json()["id"])
 
 
+def _late_cancel(event: dict[str, Any]) -> bool:
+    """The answer to a cancel that reached the socket after its generation's `done`
+    (the generation won the race): a conflict, sent after that `done`."""
+    return event["type"] == "error" and event["error"]["type"] == "conflict_error"
+
+
 async def websocket_sessions(soak: Soak, key: str) -> None:
     url = soak.url.replace("http://", "ws://") + "/ws/generate"
     headers = {"Authorization": f"Bearer {key}"}
@@ -156,6 +162,8 @@ async def websocket_sessions(soak: Soak, key: str) -> None:
                 cancel = soak.rng.random() < 0.5
                 while True:
                     event = json.loads(await ws.recv())
+                    if _late_cancel(event):
+                        continue
                     if event["type"] == "start":
                         soak.ids.add(event["id"])
                         if cancel:
@@ -163,7 +171,10 @@ async def websocket_sessions(soak: Soak, key: str) -> None:
                     if event["type"] in ("done", "error"):
                         break
             await ws.send(f'{{"prompt": "{LONE}"}}')  # invalid Unicode: an error event
-            assert json.loads(await ws.recv())["type"] == "error"
+            event = json.loads(await ws.recv())
+            while _late_cancel(event):
+                event = json.loads(await ws.recv())
+            assert event["type"] == "error" and event["error"]["type"] == "invalid_request_error"
             if soak.rng.random() < 0.5:
                 await ws.send(json.dumps({"prompt": "dropped", **LONG}))
                 # leaving the block drops the socket mid-generation: a disconnect cancels

@@ -1,6 +1,7 @@
 """StreamBody, the SSE body, without a server: a body dropped before anyone iterated it
 (the client left between the route's return and the stream's start) still cancels its
-request, and a body that ran to its end cancels nothing."""
+request, and a body that ran to its end cancels nothing. The per-token templates give
+the bytes of the event objects they stand for."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import gc
 
 import pytest
 
+from kvscope import Delta
+from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.web.context import ServerContext
+from kvscope.web.events import TokenEvents, token_event
 from kvscope.web.metrics import Metrics
+from kvscope.web.openai_format import ChunkFormat
 from kvscope.web.settings import ServerSettings
-from kvscope.web.sse import StreamBody
+from kvscope.web.sse import StreamBody, dumps, encode
 from tests.conftest import open_engine, wait_for
-
-pytestmark = pytest.mark.anyio
 
 
 async def _events(job):  # the shape of the routes' generators: consume only
@@ -22,6 +25,7 @@ async def _events(job):  # the shape of the routes' generators: consume only
         yield {"id": job.id, "text": delta.text}
 
 
+@pytest.mark.anyio
 async def test_a_body_dropped_unread_cancels_its_request():
     async with open_engine() as engine:
         ctx = ServerContext(engine, ServerSettings(), Metrics())
@@ -35,6 +39,7 @@ async def test_a_body_dropped_unread_cancels_its_request():
         assert ctx.open_streams == 0
 
 
+@pytest.mark.anyio
 async def test_a_body_read_to_its_end_cancels_nothing():
     async with open_engine() as engine:
         ctx = ServerContext(engine, ServerSettings(), Metrics())
@@ -46,3 +51,27 @@ async def test_a_body_read_to_its_end_cancels_nothing():
         gc.collect()
         assert job.result.finish_reason == "length"
         assert ctx.open_streams == 0
+
+
+TEXTS = ["", " word", 'a "quoted" \\ back', "tab\tnew\nline\r\x00\x1f", "é漢字🙂", "\ud800"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_per_token_chunk_template_is_the_chunk_object(chat: bool) -> None:
+    """The per-token path fills a pre-built template; its bytes are those of the chunk
+    object every other chunk is encoded from, whatever the text holds."""
+    fmt = ChunkFormat('cmpl-"1"', 1_700_000_000, "tiny/é", chat=chat)
+    for index in (0, 7, 123):
+        for text in TEXTS:
+            assert fmt.text_chunk(index, text) == encode(fmt.chunk(index, text, None))
+
+
+def test_the_per_token_event_template_is_the_token_event() -> None:
+    tokens = TokenEvents('req-"1"')
+    for text in TEXTS:
+        for ids in [(), (5,), (0, 12, 65535)]:
+            delta = Delta(text, ids)
+            assert tokens.json(delta) == dumps(token_event('req-"1"', delta))
+    logprobs = (TokenLogprobs(-0.5, ((3, -0.5), (4, -1.25))),)
+    delta = Delta("x", (3,), logprobs)
+    assert tokens.json(delta) == dumps(token_event('req-"1"', delta))

@@ -1,0 +1,64 @@
+"""The prompts of an OpenAI call as token ids, and the context rule for `max_tokens`.
+
+A completions `prompt` is text, token ids, or a batch of either; each becomes a list of
+token ids (text tokenized off the loop when big). `max_tokens` must leave the prompt
+and the completion inside the model's context, or the call is a 400 naming both
+numbers (OpenAI's wording); unset, it is what fits (chat) or 16 (completions).
+"""
+
+from __future__ import annotations
+
+from kvscope import Engine
+
+from .errors import ApiError
+
+Prompt = str | list[int]
+#: The default `max_tokens` of `/v1/completions` (OpenAI's); chat's is what fits.
+COMPLETION_MAX_TOKENS = 16
+
+
+def batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
+    """One prompt (text or token ids) or a batch of them, as a list of prompts."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return list(prompt)  # type: ignore[arg-type]
+
+
+async def prompt_ids(engine: Engine, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        # Valid Unicode, at most max_prompt_bytes, and tokenized off the loop when big.
+        return await engine.encode_text(prompt)
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return prompt  # the engine checks each id against the vocabulary
+
+
+def max_tokens(
+    engine: Engine, prompt_len: int, asked: int | None, what: str, *, param: str = "max_tokens"
+) -> int:
+    """`asked` if prompt and completion fit the context, else a 400 naming both numbers;
+    unset, the default (what fits, for chat; 16 or what fits, for completions)."""
+    limit = engine.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens; "
+            f"the {what} has {prompt_len} tokens, leaving none for the completion.",
+            param=what,
+        )
+    if asked is None:
+        room = limit - prompt_len
+        return min(room, COMPLETION_MAX_TOKENS) if what == "prompt" else room
+    if prompt_len + asked > limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + asked} tokens ({prompt_len} in the {what}, {asked} for the "
+            f"completion). Please reduce the length of the {what} or of {param}.",
+            param=param,
+        )
+    return asked

@@ -1,0 +1,150 @@
+"""Running an OpenAI call: its samples as request families, answered whole or streamed.
+
+Each prompt's `n` samples are one family: sample 0 the parent, the rest its children
+(the engine gives sample i the seed + i), so they share the prompt's KV blocks and
+cancelling the parent cancels them all. A whole answer waits for every sample; if the
+client goes away meanwhile, the `finally` cancels them (reason `disconnect`). A stream
+answers the chunks as the samples produce them, then the usage chunk if asked and
+`[DONE]`; closing it cancels every sample (`StreamBody`).
+
+The stream's per-token work is one template fill per delta (`ChunkFormat.text_chunk`)
+and one write per wake-up: what is ready together (the opening chunks, the last finish
+chunk with the usage and `[DONE]`) goes out as one body chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import anyio
+
+from kvscope import Engine, Job, merge_streams
+from kvscope.params import SamplingParams, field_of
+
+from .auth import current_owner
+from .context import ServerContext, disconnect_reason
+from .errors import ApiError
+from .openai_format import Choices, ChunkFormat, usage
+from .openai_schemas import OpenAISampling
+from .sse import DONE, StreamBody, encode, sse_response
+
+Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
+
+
+async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str, Any]:
+    """The body's `SamplingParams` kwargs, checked here so a bad one names its field. A
+    grammar compiles in a worker thread (a large schema can take a while), into the
+    cache the engine then reads."""
+    kwargs = body.sampling(max_tokens)
+    try:
+        params = SamplingParams(**kwargs)
+        params.check_vocab(engine.loaded.config.vocab_size)
+        if params.guided:
+            await anyio.to_thread.run_sync(engine.guides.check, params)
+    except ValueError as exc:
+        param = field_of(exc)
+        if param == "guided_json" and body.response_format is not None:
+            param = "response_format"  # what the client sent
+        raise ApiError(400, str(exc), param=param) from None
+    return kwargs
+
+
+async def start(ctx: ServerContext, plans: list[Plan], body: OpenAISampling) -> list[Job]:
+    """Each prompt's `n` samples as one family, in choice order."""
+    jobs: list[Job] = []
+    checked = [await check_sampling(ctx.engine, body, max_tokens) for _ids, max_tokens in plans]
+    try:
+        for (ids, _max), sampling in zip(plans, checked, strict=True):
+            jobs += await ctx.engine.submit_samples(
+                ids, n=body.n, priority=body.priority, owner=current_owner(), **sampling
+            )
+    except BaseException:
+        cancel_all(ctx, jobs, "disconnect")
+        raise
+    return jobs
+
+
+def cancel_all(ctx: ServerContext, jobs: list[Job], reason: str) -> None:
+    for job in reversed(jobs):  # children first, so each records this reason itself
+        ctx.engine.cancel_nowait(job.id, reason=reason)
+
+
+async def complete(
+    ctx: ServerContext,
+    plans: list[Plan],
+    body: OpenAISampling,
+    *,
+    chat: bool,
+    echo: list[str] | None = None,
+) -> Any:
+    """Run the call and answer it: an SSE stream with `stream`, else the whole response."""
+    jobs = await start(ctx, plans, body)
+    view = Choices(ctx.engine, body, chat=chat, echo=echo)
+    fmt = ChunkFormat(jobs[0].id, int(time.time()), ctx.engine.model_name, chat=chat)
+    if body.stream:
+        chunks = stream_chunks(jobs, body, view, fmt)
+        ids = [job.id for job in reversed(jobs)]
+        return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
+    try:
+        results = [await job.wait() for job in jobs]
+    finally:
+        if not all(job.done for job in jobs):
+            cancel_all(ctx, jobs, disconnect_reason())
+    choices = []
+    for index, result in enumerate(results):
+        choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}
+        text = view.prefix(index) + result.text
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = view.logprobs(result.token_ids, result.logprobs, index)
+        choices.append(choice)
+    prompt_tokens = sum(len(ids) for ids, _ in plans)
+    completion_tokens = sum(r.completion_tokens for r in results)
+    answer = {
+        **fmt.head,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+    return answer, 200, {"X-Request-Id": jobs[0].id}
+
+
+async def stream_chunks(
+    jobs: list[Job], body: OpenAISampling, view: Choices, fmt: ChunkFormat
+) -> AsyncGenerator[bytes, None]:
+    """The SSE chunks of the samples as they arrive (interleaved, told apart by
+    `index`), the usage chunk if asked, `[DONE]`."""
+    chat = view.chat
+    opening = [
+        fmt.chunk(i, "", None, role=True) if chat else fmt.chunk(i, view.prefix(i), None)
+        for i in range(len(jobs))
+        if chat or view.prefix(i)
+    ]
+    if opening:
+        yield b"".join(map(encode, opening))
+    completion_tokens, left, last = 0, len(jobs), b""
+    offsets = [len(view.prefix(i)) for i in range(len(jobs))]
+    async for index, delta in merge_streams(jobs):
+        if delta is None:
+            result = jobs[index].result
+            completion_tokens += result.completion_tokens
+            left -= 1
+            finish = encode(fmt.chunk(index, None if chat else "", result.finish_reason))
+            if left:
+                yield finish
+            else:  # the last one goes out with the usage and [DONE], in one write
+                last = finish
+        elif view.wanted and (delta.text or delta.logprobs):
+            logprobs = view.logprobs(delta.token_ids, delta.logprobs, index, offsets[index])
+            offsets[index] += sum(len(view.token_text(t)) for t in delta.token_ids)
+            yield encode(fmt.chunk(index, delta.text, None, logprobs=logprobs))
+        elif delta.text:
+            yield fmt.text_chunk(index, delta.text)
+    if body.include_usage:
+        prompt_tokens = sum(jobs[i].result.prompt_tokens for i in range(0, len(jobs), body.n))
+        last += encode(fmt.usage_chunk(prompt_tokens, completion_tokens))
+    yield last + DONE
