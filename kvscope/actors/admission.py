@@ -147,7 +147,12 @@ class Admission:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}"
             )
-        if params.max_tokens > room:
+        if params.min_tokens > room:
+            raise InvalidRequest(
+                f"min_tokens is {params.min_tokens}, but the context ({self.max_model_len} "
+                f"tokens) leaves {room} after the prompt's {len(prompt_ids)}"
+            )
+        if params.max_tokens > room:  # generate to the context's end, as asked
             params = attrs.evolve(params, max_tokens=room)
         queued = self.scheduler.num_waiting + self.ledger.admitting
         if queued + spec.samples > self.config.max_queued_requests:

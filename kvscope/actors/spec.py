@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from kvscope.errors import InvalidRequest
-from kvscope.params import SamplingParams
+from kvscope.params import PRIORITY, TIMEOUT, SamplingParams
 
 Prompt = str | list[int]
 
@@ -26,15 +26,19 @@ def _optional_str(_inst: object, attribute: attrs.Attribute, value: object) -> N
 
 
 def _priority(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest("priority must be an integer")
+    try:
+        PRIORITY.check("priority", value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def _timeout(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidRequest("timeout must be a positive number of seconds")
+    try:
+        TIMEOUT.check("timeout", value)
+    except ValueError as exc:
+        raise InvalidRequest(f"{exc} seconds") from None
 
 
 def _samples(_inst: object, _attribute: attrs.Attribute, value: object) -> None:

@@ -82,9 +82,11 @@ class Sampling(Strict):
     guided_choice: list[str] | None = Field(None, description="answer one of these strings")
 
     def sampling(self) -> dict[str, Any]:
-        """The `SamplingParams` keyword arguments (unset optionals left out)."""
+        """The `SamplingParams` keyword arguments the client gave (a field it left out
+        takes the checkpoint's generation default, then `SamplingParams`' own)."""
         values = ((name, getattr(self, name)) for name in SAMPLING_FIELDS)
-        return {name: value for name, value in values if value is not None}
+        given = self.model_fields_set
+        return {name: value for name, value in values if name in given and value is not None}
 
 
 #: The `SamplingParams` fields the native API takes: all of them (tests/web/test_rules.py).

@@ -108,7 +108,11 @@ async def test_max_tokens_is_capped_to_the_context():
         {"stop_token_ids": [-1]},
         {"nonsense": 1},
         {"timeout": -1},
+        {"timeout": 0},
+        {"timeout": 10**9},  # beyond params.TIMEOUT, as over HTTP
         {"priority": "high"},
+        {"priority": 1.5},
+        {"priority": 2**40},  # beyond params.PRIORITY, as over HTTP
     ],
 )
 async def test_invalid_requests_raise_invalid_request(engine: Engine, bad: dict):

@@ -260,3 +260,23 @@ async def test_the_checkpoints_generation_defaults_fill_in_unset_sampling_fields
             "defaults", max_tokens=12, temperature=1.5, seed=1, ignore_eos=True
         )
         assert hot.token_ids != greedy.token_ids  # an explicit value still wins
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_generation_defaults_apply_over_http_too(
+    broken: Path, tmp_path: Path, backend: str
+) -> None:
+    from tests.web.conftest import running_server, wait_status
+
+    (broken / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    body = {"prompt": "defaults", "max_tokens": 12, "ignore_eos": True}
+    with running_server(backend, tmp_path, model=str(broken)) as live, live.client() as client:
+
+        def tokens(extra: dict[str, Any]) -> tuple[int, ...]:
+            job = client.post("/generate", json={**body, **extra}).json()["id"]
+            return tuple(wait_status(client, job)["token_ids"])
+
+        greedy = tokens({"temperature": 0})
+        # Unset, the temperature is the checkpoint's 0: greedy, whatever the seed.
+        assert [tokens({"seed": seed}) for seed in (1, 2)] == [greedy, greedy]
+        assert tokens({"temperature": 1.5, "seed": 1}) != greedy  # a given value wins

@@ -153,16 +153,12 @@ def test_values_at_a_bound_are_taken_and_just_outside_are_a_400(live: Live) -> N
     wait_clean(live)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine caps max_tokens to the context but not min_tokens: a 500 "
-    "(actors/engine.py `_start`, for the lead); remove this mark once it is a 400",
-)
 def test_min_tokens_beyond_the_context_is_a_400(live: Live) -> None:
     with live.client() as client:
         body = {"prompt": "a", "max_tokens": 10**6, "min_tokens": 10**6}
         response = client.post(PATHS["native"], json=body)
         assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"].startswith("min_tokens"), response.text
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))
