@@ -165,6 +165,9 @@ class ErrorBody(BaseModel):
 
 
 class Stats(BaseModel):
+    """`Engine.stats()` and the server's counters (tests/web/test_observability.py
+    holds the two to the same keys)."""
+
     kv_blocks_total: int
     kv_blocks_free: int
     kv_blocks_in_use: int
@@ -176,9 +179,17 @@ class Stats(BaseModel):
     cancelled: int
     failed: int
     steps: int
-    tasks: int
-    history: int
+    prompt_tokens_admitted: int = Field(description="prompt tokens of admitted requests")
+    prompt_tokens_reused: int = Field(
+        description="of them, found computed (the prefix cache or a parent's blocks)"
+    )
+    tasks: int = Field(description="request tasks running now: 0 when nothing leaked")
+    worker_pid: int = Field(description="the model worker process (0 with worker=thread)")
+    worker_restarts: int
+    history: int = Field(description="ended requests kept for look-up by id")
     history_bytes: int
+    tokens_generated_total: int
+    open_streams: int
 
 
 class Health(BaseModel):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvscope.web.schemas import Stats
+
 from .conftest import LONG, Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
 
 
@@ -21,6 +23,7 @@ def test_stats_metrics_health(live: Live) -> None:
         gone = client.post("/generate", json={"prompt": "b", **LONG}).json()
         wait_tokens(client, gone["id"])
         stats = client.get("/stats").json()
+        assert set(Stats.model_json_schema()["properties"]) == set(stats)  # all documented
         assert stats["live_requests"] >= 1 and stats["kv_blocks_in_use"] >= 1
         assert (
             stats["kv_blocks_total"]
