@@ -18,8 +18,11 @@ from kvscope.options import add_engine_arguments, engine_kwargs
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    # The terminal's own choices, not SamplingParams' defaults: a short, repeatable demo.
+    parser.add_argument("--max-tokens", type=int, default=64, help="default 64")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="default 0: greedy, the same text each run"
+    )
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--sample-seed", type=int, default=None)
