@@ -37,6 +37,11 @@ class EngineConfig:
     watermark: float = attrs.field(default=0.01, validator=[v.ge(0.0), v.lt(1.0)])
     #: Keep full blocks in an evictable prefix cache after their last user leaves.
     enable_prefix_caching: bool = True
+    #: Longest stretch of forward, in seconds, meant to lie between two checkpoints
+    #: (where a request cancelled mid-step leaves the batch and frees its KV blocks):
+    #: long linear layers run in column pieces to keep it, on the CPU; 0 cuts nothing
+    #: (checkpoints before each layer's attention and MLP only).
+    checkpoint_gap: float = attrs.field(default=0.002, validator=v.ge(0.0))
     #: torch intra-op threads used by the model step (None: leave torch's setting).
     model_threads: int | None = attrs.field(default=None, validator=v.optional(_positive))
     #: Most sequences waiting for admission before `submit` refuses more (a request
