@@ -27,6 +27,7 @@ from .report_cancel import cancel_tables
 from .workload import Deadline, make_prompts, vocab_size_of
 
 LAG = "kvscope_event_loop_lag_seconds"
+GAP = "kvscope_checkpoint_gap_seconds"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,14 +132,18 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
                 wall = time.perf_counter() - origin
                 stop.set()
         metrics_after = (await client.get("/metrics")).text
-    lag = prometheus.window(
-        prometheus.histogram(metrics_before, LAG), prometheus.histogram(metrics_after, LAG)
+    lag, gap = (
+        prometheus.window(
+            prometheus.histogram(metrics_before, name), prometheus.histogram(metrics_after, name)
+        )
+        for name in (LAG, GAP)
     )
     return {
         "wall_s": round(wall, 3),
         "records": sorted(records, key=lambda r: r["index"]),
         "timeline": timeline,
         "loop_lag_buckets": {str(k): v for k, v in lag.items()},
+        "checkpoint_gap_buckets": {str(k): v for k, v in gap.items()},
     }
 
 
@@ -185,16 +190,20 @@ async def bench_server(
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pool the records and the lag histograms of several runs; keep the first timeline."""
+    """Pool the records and the histograms of several runs; keep the first timeline."""
     lag: dict[str, float] = {}
+    gap: dict[str, float] = {}
     for part in parts:
         for le, n in part["loop_lag_buckets"].items():
             lag[le] = lag.get(le, 0.0) + n
+        for le, n in part.get("checkpoint_gap_buckets", {}).items():
+            gap[le] = gap.get(le, 0.0) + n
     return {
         "wall_s": round(sum(p["wall_s"] for p in parts), 3),
         "records": [r for p in parts for r in p["records"]],
         "timeline": parts[0]["timeline"],
         "loop_lag_buckets": lag,
+        "checkpoint_gap_buckets": gap,
         "rounds": len(parts),
     }
 

@@ -38,8 +38,8 @@ def _latency(records: list[dict[str, Any]], indices: set[int]) -> tuple[list[flo
     return ttft, itl
 
 
-def _lag(run: dict[str, Any]) -> dict[str, Any]:
-    buckets = {float(k): v for k, v in run["loop_lag_buckets"].items()}
+def _lag(run: dict[str, Any], key: str = "loop_lag_buckets") -> dict[str, Any]:
+    buckets = {float(k): v for k, v in run.get(key, {}).items()}
     q = lambda x: None if x is None else round(x * 1e3, 3)  # noqa: E731
     return {
         "samples": prometheus.count(buckets),
@@ -100,6 +100,10 @@ def figures(raw: dict[str, Any], audit: dict[str, dict[str, Any]]) -> dict[str, 
             "itl_ms": {"with_cancels": s(itl_c), "without": s(itl_b)},
         },
         "loop_lag": {"with_cancels": _lag(cancelled), "baseline": _lag(baseline)},
+        "checkpoint_gap": {
+            name: _lag(run, "checkpoint_gap_buckets")
+            for name, run in (("with_cancels", cancelled), ("baseline", baseline))
+        },
         "after": raw["after"],
         "kv_timeline": {
             "with_cancels": [(p["t"], p.get("kv_blocks_in_use")) for p in cancelled["timeline"]],

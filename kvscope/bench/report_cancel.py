@@ -56,6 +56,16 @@ def cancel_tables(result: dict[str, Any]) -> str:
                 f"baseline p99 {fmt(lag_b['p99_ms'])} ms; {lag_c['samples']} samples, bucket resolution",
             ]
         )
+        gap_c, gap_b = f["checkpoint_gap"]["with_cancels"], f["checkpoint_gap"]["baseline"]
+        rows.append(
+            [
+                "checkpoint gap (forward, server histogram)",
+                gap_c["p50_ms"],
+                gap_c["p99_ms"],
+                None,
+                f"baseline p50/p99 {fmt(gap_b['p50_ms'])}/{fmt(gap_b['p99_ms'])} ms; {gap_c['samples']} gaps, bucket resolution",
+            ]
+        )
         out += ["", table(["figure (ms)", "p50", "p99", "max", "note"], rows)]
         sv = f["survivors"]
         srows = []

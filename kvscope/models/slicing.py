@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from kvscope.kernels.linear import Linear
+from kvscope.kernels.linear import WIDE_ROWS, Linear
 
 #: Rows of the second probe call (the first has one).
 PROBE_ROWS = 64
@@ -36,17 +37,20 @@ MIN_COLUMNS = 64
 class LinearSlicer:
     """How many pieces each linear layer is cut into, for a given number of rows."""
 
-    def __init__(self, target: float) -> None:
+    def __init__(self, target: float, *, min_columns: int = MIN_COLUMNS) -> None:
         self.target = target
+        self.min_columns = min_columns
         self._costs: dict[tuple[int, ...], tuple[float, float]] = {}  # shape -> (a, b)
-        self._pieces: dict[tuple[int, int], list[Linear]] = {}  # (id, pieces) -> slices
+        self._pieces: dict[
+            tuple[int, int, bool], list[tuple[torch.Tensor, torch.Tensor | None]]
+        ] = {}
         self._keep: dict[int, Linear] = {}  # keeps the ids above meaningful
 
     def pieces(self, linear: Linear, rows: int) -> int:
         if linear.weight.device.type != "cpu":
             return 1
         a, b = self.cost(linear)
-        most = max(1, linear.out_features // MIN_COLUMNS)
+        most = max(1, linear.out_features // self.min_columns)
         return min(most, max(1, math.ceil((a + b * rows) / self.target)))
 
     def cost(self, linear: Linear) -> tuple[float, float]:
@@ -63,27 +67,30 @@ class LinearSlicer:
         pieces = 1 if checkpoint is None else self.pieces(linear, x.shape[0])
         if pieces == 1:
             return linear(x)
+        wide = linear.wide is not None and x.shape[0] >= WIDE_ROWS
+        x_in = x.float() if wide else x  # widened once, not once a piece
         outputs = []
-        for index, piece in enumerate(self._split(linear, pieces)):
+        for index, (weight, bias) in enumerate(self._split(linear, pieces, wide)):
             if index:
                 checkpoint()  # type: ignore[misc]
-            outputs.append(piece(x))
-        return torch.cat(outputs, dim=-1)
+            outputs.append(F.linear(x_in, weight, bias))
+        out = torch.cat(outputs, dim=-1)
+        return out.to(x.dtype) if wide else out
 
-    def _split(self, linear: Linear, pieces: int) -> list[Linear]:
-        key = (id(linear), pieces)
+    def _split(
+        self, linear: Linear, pieces: int, wide: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) views of each piece, in the float32 copy's layout if `wide`."""
+        key = (id(linear), pieces, wide)
         if key not in self._pieces:
             self._keep[id(linear)] = linear
+            weight, bias = (linear.wide, linear.wide_bias) if wide else (linear.weight, linear.bias)
+            assert weight is not None
             bounds = [round(i * linear.out_features / pieces) for i in range(pieces + 1)]
-            split = []
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
-                bias = None if linear.bias is None else linear.bias[lo:hi]
-                piece = Linear(linear.weight[lo:hi], bias)
-                if linear.wide is not None:
-                    piece.wide = linear.wide[lo:hi]
-                    piece.wide_bias = None if linear.wide_bias is None else linear.wide_bias[lo:hi]
-                split.append(piece)
-            self._pieces[key] = split
+            self._pieces[key] = [
+                (weight[lo:hi], None if bias is None else bias[lo:hi])
+                for lo, hi in zip(bounds, bounds[1:], strict=False)
+            ]
         return self._pieces[key]
 
 
@@ -92,7 +99,7 @@ def _probe(linear: Linear) -> tuple[float, float]:
         x = torch.randn(rows, linear.weight.shape[1]).to(linear.weight.dtype)
         linear(x)  # warm-up: first-call allocations and kernel selection
         best = math.inf
-        for _ in range(3):
+        for _ in range(5):
             started = time.perf_counter()
             linear(x)
             best = min(best, time.perf_counter() - started)

@@ -149,6 +149,7 @@ def test_cancel_smoke(tmp_path: Path) -> None:
             assert f["survivors"][key][side]["p99"] is not None
         assert f["survivors"][key]["ratio_p99"] is not None
     assert f["loop_lag"]["with_cancels"]["samples"] >= 0
+    assert f["checkpoint_gap"]["baseline"]["samples"] > 0  # every step counts its gaps
     assert (
         f["leak_free"]
         and f["leaked"]["kv_blocks_in_use"] == 0
