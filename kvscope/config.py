@@ -33,6 +33,10 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     #: Token budget of one step (decode tokens + prefill chunks).
     max_num_batched_tokens: int = attrs.field(default=512, validator=_positive)
+    #: Longest forward time, in seconds, that a step's prefill chunks may fill, from a
+    #: cost per token learned from the step times (actors/step_budget.py); 0 bounds
+    #: them by `max_num_batched_tokens` only.
+    max_step_seconds: float = attrs.field(default=0.0, validator=v.ge(0.0))
     #: Fraction of the pool kept free when admitting new sequences.
     watermark: float = attrs.field(default=0.01, validator=[v.ge(0.0), v.lt(1.0)])
     #: Keep full blocks in an evictable prefix cache after their last user leaves.
