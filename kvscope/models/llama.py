@@ -231,8 +231,8 @@ class LlamaModel:
             if between is not None:
                 between()
             batch.hidden = hidden + linear(layer.down, F.silu(gate) * up)
-            if between is not None:
-                between()
+            if between is not None and index + 1 < len(self.layers):
+                between()  # (after the last layer, the checkpoint below follows at once)
         if checkpoint is not None:
             checkpoint(batch)  # the rows returned are those still wanted
         return rms_norm(batch.hidden, self.final_norm, eps)
