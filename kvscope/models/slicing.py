@@ -30,8 +30,11 @@ from kvscope.kernels.linear import WIDE_ROWS, Linear
 
 #: Rows of the second probe call (the first has one).
 PROBE_ROWS = 64
-#: Fewest output columns in one piece: narrower multiplies lose their efficiency.
-MIN_COLUMNS = 64
+#: Fewest output columns in one piece: narrower multiplies lose their efficiency (on
+#: the 2-core AVX2 machine a 511-row step took 15-35 % more CPU time in pieces of at
+#: least 64 columns than whole, 12-14 % with 256; from 159 rows down, no measurable
+#: cost; docs/cancellation.md).
+MIN_COLUMNS = 256
 
 
 class LinearSlicer:
