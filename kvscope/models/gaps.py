@@ -102,7 +102,7 @@ class GapRecorder:
         """Cumulative (upper bound, count) pairs ending with +Inf, and the sum in seconds."""
         counts = self._view.copy()
         cumulative = np.cumsum(counts[: len(BOUNDS) + 1]).tolist()
-        return list(zip([*BOUNDS, math.inf], cumulative, strict=True)), counts[_SUM] / 1e9
+        return list(zip([*BOUNDS, math.inf], cumulative, strict=True)), float(counts[_SUM]) / 1e9
 
     def statistics(self) -> GapStatistics:
         pairs, total_seconds = self.buckets()
