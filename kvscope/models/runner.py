@@ -87,7 +87,7 @@ class StepControl:
             self._dropped(chunks)
 
 
-_DEFAULT_GAP = attrs.fields(EngineConfig).checkpoint_gap.default
+_DEFAULT_GAP = EngineConfig().checkpoint_gap  # one place for the default
 
 
 class ModelRunner:
