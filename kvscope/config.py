@@ -33,10 +33,19 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     #: Token budget of one step (decode tokens + prefill chunks).
     max_num_batched_tokens: int = attrs.field(default=512, validator=_positive)
+    #: Longest forward time, in seconds, that a step's prefill chunks may fill, from a
+    #: cost per token learned from the step times (actors/step_budget.py); 0 bounds
+    #: them by `max_num_batched_tokens` only.
+    max_step_seconds: float = attrs.field(default=0.0, validator=v.ge(0.0))
     #: Fraction of the pool kept free when admitting new sequences.
     watermark: float = attrs.field(default=0.01, validator=[v.ge(0.0), v.lt(1.0)])
     #: Keep full blocks in an evictable prefix cache after their last user leaves.
     enable_prefix_caching: bool = True
+    #: Longest stretch of forward, in seconds, meant to lie between two checkpoints
+    #: (where a request cancelled mid-step leaves the batch and frees its KV blocks):
+    #: long linear layers run in column pieces to keep it, on the CPU; 0 cuts nothing
+    #: (checkpoints before each layer's attention and MLP only).
+    checkpoint_gap: float = attrs.field(default=0.002, validator=v.ge(0.0))
     #: torch intra-op threads used by the model step (None: leave torch's setting).
     model_threads: int | None = attrs.field(default=None, validator=v.optional(_positive))
     #: Most sequences waiting for admission before `submit` refuses more (a request

@@ -49,7 +49,14 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
     worker = None
     if engine_config.worker == "process":
         threads = engine_config.model_threads
-        worker = WorkerSpec(model, str(torch_device), dtype, engine_config.seed, threads)
+        worker = WorkerSpec(
+            model,
+            str(torch_device),
+            dtype,
+            engine_config.seed,
+            threads,
+            engine_config.checkpoint_gap,
+        )
     return build_parts(loaded, engine_config, torch_device, worker)
 
 
@@ -65,6 +72,7 @@ def build_parts(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         watermark=config.watermark,
+        max_step_seconds=config.max_step_seconds,
     )
     kv_cache = KVCache(
         num_layers=model_config.num_layers,
@@ -76,7 +84,7 @@ def build_parts(
         device=device,
     )
     # The forward runs in a worker thread, or, given a spec, in a model worker process.
-    local = ModelRunner(loaded.model, kv_cache)
+    local = ModelRunner(loaded.model, kv_cache, checkpoint_gap=config.checkpoint_gap)
     runner = local if worker is None else ProcessRunner(worker, local, config.max_num_seqs)
     return Parts(loaded, config, device, pool, scheduler, kv_cache, runner)
 

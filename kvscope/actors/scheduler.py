@@ -26,6 +26,7 @@ from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.params import SamplingParams
 
 from .messages import RequestStatus
+from .step_budget import StepTimeBudget
 
 _arrivals = itertools.count()
 
@@ -152,11 +153,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark: float = 0.01,
+        max_step_seconds: float = 0.0,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        #: Bounds a step's prefill tokens by time (fed the step times by the step actor).
+        self.step_budget = StepTimeBudget(max_step_seconds, floor=block_size)
         self.watermark_blocks = math.ceil(watermark * pool.num_blocks)
         self._waiting: list[tuple[int, int, Sequence]] = []  # heap; removed entries stay
         self._num_waiting = 0
@@ -210,18 +214,21 @@ class Scheduler:
         """Pick the next step.
 
         Running sequences go first, most urgent first, each taking one decode token or
-        its next prefill chunk out of the token budget; when one needs a block and none
-        is free, the least urgent, most recent running sequence is preempted (its blocks
-        freed, it requeues and later recomputes). Then waiting sequences are admitted in
-        priority order, FCFS within a class, while the budget, the sequence cap and the
-        free blocks above the watermark allow, reusing cached prefix blocks or their
-        parent's blocks.
+        its next prefill chunk out of the token budget (prefill chunks also out of the
+        prefill tokens that fit in the step's time, `step_budget`); when one needs a
+        block and none is free, the least urgent, most recent running sequence is
+        preempted (its blocks freed, it requeues and later recomputes). Then waiting
+        sequences are admitted in priority order, FCFS within a class, while both
+        budgets, the sequence cap and the free blocks above the watermark allow, reusing
+        cached prefix blocks or their parent's blocks.
         """
         budget = self.max_num_batched_tokens
         chunks: list[tuple[Sequence, int]] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
         self.running.sort(key=_sort_key)
+        decoding = sum(1 for seq in self.running if len(seq.tokens) - seq.num_computed == 1)
+        prefill = self.step_budget.prefill_tokens(decoding, budget)
 
         index = 0
         while index < len(self.running) and budget and len(chunks) < self.max_num_seqs:
@@ -230,6 +237,11 @@ class Scheduler:
             if seq.skippable():
                 continue
             num_new = min(len(seq.tokens) - seq.num_computed, budget)
+            is_prefill = num_new > 1
+            if is_prefill:
+                num_new = min(num_new, prefill)
+                if not num_new:
+                    continue  # no time left in this step for its next chunk
             while not self._reserve(seq, num_new, copies):
                 victim = self._least_urgent_running()
                 self._preempt(victim)
@@ -239,9 +251,10 @@ class Scheduler:
             if seq.status is RequestStatus.RUNNING:
                 chunks.append((seq, num_new))
                 budget -= num_new
+                prefill -= num_new if is_prefill else 0
 
         if not preempted:
-            budget = self._admit(chunks, copies, budget)
+            self._admit(chunks, copies, min(budget, prefill))
         return ScheduledStep(chunks, copies, preempted)
 
     def advance(self, seq: Sequence, num_new: int) -> None:

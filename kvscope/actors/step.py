@@ -145,6 +145,8 @@ class StepActor:
             self.pool.release(copy_sources)
             self._in_flight, self._pins, self._unpinned = [], [], []
         self.steps += 1
+        if tokens is not None:  # a finished step: its time teaches the time budget
+            self.scheduler.step_budget.observe(forward_seconds, sum(n for _, n in live))
         self._deliver(live, tokens, failure)
         if self._on_step is not None:
             self._on_step(started, forward_seconds, len(live))

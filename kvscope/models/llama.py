@@ -5,11 +5,17 @@ One forward runs a mixed batch (decode tokens and prefill chunks, laid out flat 
 that sample into float32 logits. The norms are plain tensors; q/k/v and gate/up are
 fused into one matrix each so a layer is four matrix multiplies, each a
 `kernels.linear.Linear` in the layout that is fastest on the device; `check_weights`
-validates a checkpoint's tensors against the config before any is copied. The forward checks
-a `checkpoint` hook before each layer's attention and before its MLP: the runner uses
-it to drop the rows of sequences cancelled while the step runs (so the rest of the
-forward neither computes nor touches their KV blocks), and to raise `StepAborted`
-when nobody is left.
+validates a checkpoint's tensors against the config before any is copied.
+
+The forward calls a `checkpoint` hook at fixed points. Given the batch (before each
+layer's attention, right after its q/k/v projection; before its MLP; after the last
+layer), the hook may drop rows: the runner drops those of sequences cancelled while
+the step runs, so the rest of the forward neither computes nor touches their KV blocks,
+and raises `StepAborted` when nobody is left. Given a `LinearSlicer`, the forward also
+cuts every long linear layer into column pieces and calls the hook with None between
+them and after the attention (`models/slicing.py`): there rows cannot leave the batch,
+but a cancelled sequence's blocks may be released at once, since no KV block is read or
+written before the next checkpoint that is given the batch, where its rows leave.
 
 Numerics follow Hugging Face `transformers` (RMSNorm in float32, rotary tables in
 float32 cast to the activations' dtype) so greedy tokens match it.
@@ -31,6 +37,7 @@ from kvscope.kernels.linear import Linear
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .rope import apply_rotary, rotary_tables
+from .slicing import LinearSlicer
 
 
 class StepAborted(Exception):
@@ -45,9 +52,11 @@ class LayerBatch:
     cos: torch.Tensor  # [tokens, head_dim]
     sin: torch.Tensor
     meta: AttentionMetadata
+    qkv: torch.Tensor | None = None  # [tokens, q + k + v], at the checkpoint before attention
 
 
-Checkpoint = Callable[[LayerBatch], None]
+#: Called with the batch where rows may leave it, with None where they may not.
+Checkpoint = Callable[[LayerBatch | None], None]
 
 
 @attrs.define
@@ -162,11 +171,8 @@ class LlamaModel:
                     down=Linear(take(mlp + "down_proj.weight")),
                 )
             )
-        linears = [self.lm_head]
-        for layer in self.layers:
-            linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
         #: Which weight layouts the linear layers use (`kernels.linear.plan`).
-        self.linear_layout = linear.plan(linears)
+        self.linear_layout = linear.plan(self.linears())
         self.cos, self.sin = rotary_tables(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device
         )
@@ -178,6 +184,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_cache: KVCache,
         checkpoint: Checkpoint | None = None,
+        slicer: LinearSlicer | None = None,
     ) -> torch.Tensor:
         c = self.config
         eps = c.rms_norm_eps
@@ -187,13 +194,19 @@ class LlamaModel:
             self.sin[positions].to(self.dtype),
             meta,
         )
+        between = _between(checkpoint, slicer)
+
+        def linear(weights: Linear, x: torch.Tensor) -> torch.Tensor:
+            return slicer(weights, x, between) if slicer is not None else weights(x)
+
         for index, layer in enumerate(self.layers):
+            x = rms_norm(batch.hidden, layer.input_norm, eps)
+            batch.qkv = linear(layer.qkv, x)
             if checkpoint is not None:
-                checkpoint(batch)
-            hidden, cos, sin = batch.hidden, batch.cos, batch.sin
+                checkpoint(batch)  # the last one before this layer's KV blocks are touched
+            hidden, qkv, cos, sin = batch.hidden, batch.qkv, batch.cos, batch.sin
+            batch.qkv = None
             num_tokens = hidden.shape[0]
-            x = rms_norm(hidden, layer.input_norm, eps)
-            qkv = layer.qkv(x)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
@@ -207,17 +220,40 @@ class LlamaModel:
             attended = paged_attention(
                 q, k, v, kv_cache.keys[index], kv_cache.values[index], batch.meta, self.scale
             )
-            batch.hidden = hidden + layer.o_proj(attended)
+            if between is not None:
+                between()
+            batch.hidden = hidden + linear(layer.o_proj, attended)
             if checkpoint is not None:
                 checkpoint(batch)  # halfway through the layer: the MLP is half its time
             hidden = batch.hidden
             x = rms_norm(hidden, layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            batch.hidden = hidden + layer.down(F.silu(gate) * up)
+            gate, up = linear(layer.gate_up, x).chunk(2, dim=-1)
+            if between is not None:
+                between()
+            batch.hidden = hidden + linear(layer.down, F.silu(gate) * up)
+            if between is not None and index + 1 < len(self.layers):
+                between()  # (after the last layer, the checkpoint below follows at once)
+        if checkpoint is not None:
+            checkpoint(batch)  # the rows returned are those still wanted
         return rms_norm(batch.hidden, self.final_norm, eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        checkpoint: Checkpoint | None = None,
+        slicer: LinearSlicer | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits of `hidden`'s rows; `checkpoint` may release, not drop, rows."""
+        if slicer is None:
+            return self.lm_head(hidden).float()
+        return slicer(self.lm_head, hidden, _between(checkpoint, slicer)).float()
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer, the output head first."""
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        return linears
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
@@ -230,3 +266,12 @@ class LlamaModel:
                 elif t is not None:
                     tensors.append(t)
         return sum(t.numel() for t in tensors)
+
+
+def _between(
+    checkpoint: Checkpoint | None, slicer: LinearSlicer | None
+) -> Callable[[], None] | None:
+    """The hook for the points where rows cannot leave the batch (slicing only)."""
+    if checkpoint is None or slicer is None:
+        return None
+    return lambda: checkpoint(None)

@@ -6,12 +6,15 @@ forward runs), applies copy-on-write block copies, builds the flat batch and the
 attention metadata once, runs the forward, and samples the rows that need a token.
 
 `StepControl` is how the event loop talks to a running step. At each checkpoint of the
-forward (before every layer's attention and MLP) the runner takes the chunks cancelled
-since the last one, drops their rows from the batch (so
-the remaining layers neither compute them nor touch their KV blocks), and hands their
-indices to `StepControl.dropped`, on which the step actor unpins (and so frees)
-their blocks on the event loop at once instead of at the end of the step. When no chunk is left, or the abort flag is
-set, the forward stops with `StepAborted`.
+forward (before every layer's attention and MLP, and between the pieces of a long
+linear layer, `models/slicing.py`) the runner takes the chunks cancelled since the last
+one and hands their indices to `StepControl.dropped`, on which the step actor unpins
+(and so frees) their blocks on the event loop at once instead of at the end of the step; their rows leave the batch
+at the next checkpoint that allows it (so the remaining layers neither compute them
+nor touch their KV blocks). When no chunk is left, or the abort flag is set, the
+forward stops with `StepAborted`. Every gap between two checkpoints (and from the
+step's start to the first, and from the last to the step's end) is counted in
+`gaps` (`models/gaps.py`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ import attrs
 import torch
 
 from kvscope.cache.kv_cache import KVCache
+from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
 from kvscope.kernels.sampling import RowState, Sampled, sample
 from kvscope.params import SamplingParams
 
+from .gaps import GapRecorder
 from .llama import LayerBatch, LlamaModel, StepAborted
+from .slicing import LinearSlicer
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +87,29 @@ class StepControl:
             self._dropped(chunks)
 
 
+_DEFAULT_GAP = EngineConfig().checkpoint_gap  # one place for the default
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        *,
+        checkpoint_gap: float = _DEFAULT_GAP,
+        gaps: GapRecorder | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
+        #: The gaps between the forward's checkpoints (a worker process is handed its
+        #: parent's, in shared memory, so both count into one histogram).
+        self.gaps = gaps if gaps is not None else GapRecorder()
+        self.slicer: LinearSlicer | None = None
+        if checkpoint_gap > 0 and self.device.type == "cpu":
+            self.slicer = LinearSlicer(checkpoint_gap)
+            for linear in model.linears():  # measure them now, not in a step
+                self.slicer.cost(linear)
         # Resolve the decode kernel now: on the CPU this loads it or starts its build.
         decode_backend(self.device.type)
         log.info("linear layers: %s (kernels/linear.py)", model.linear_layout)
@@ -106,34 +130,57 @@ class ModelRunner:
                 input_ids.extend(chunk.token_ids)
                 positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
             live = list(range(len(chunks)))
-            checkpoint = None
-            if control is not None:
-                checkpoint = _Pruner(self, chunks, live, control)
-            hidden = self.model.forward(
-                torch.tensor(input_ids, device=self.device),
-                torch.tensor(positions, device=self.device),
-                self.metadata(chunks, live),
-                self.kv_cache,
-                checkpoint,
-            )
-            tokens: list[Sampled | None] = [None] * len(chunks)
-            rows, samplers, row = [], [], 0
-            for index in live:  # `live` lost the dropped chunks; rows follow its order
-                row += len(chunks[index].token_ids)
-                if chunks[index].sample:
-                    rows.append(row - 1)
-                    samplers.append(index)
-            if rows:
-                logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
-                drawn = sample(
-                    logits,
-                    [chunks[i].params for i in samplers],
-                    [chunks[i].generator for i in samplers],
-                    [chunks[i].state for i in samplers],
+            pruner = None if control is None else _Pruner(self, chunks, live, control)
+            slicer = self.slicer if pruner is not None else None
+            if pruner is not None:
+                self.gaps.start()
+            try:
+                hidden = self.model.forward(
+                    torch.tensor(input_ids, device=self.device),
+                    torch.tensor(positions, device=self.device),
+                    self.metadata(chunks, live),
+                    self.kv_cache,
+                    pruner,
+                    slicer,
                 )
-                for index, token in zip(samplers, drawn, strict=True):
+                in_batch = pruner.in_batch if pruner is not None else live
+                return self._sample(chunks, live, list(in_batch), hidden, pruner, slicer)
+            finally:
+                if pruner is not None:
+                    self.gaps.end()
+
+    def _sample(
+        self,
+        chunks: list[ChunkInput],
+        live: list[int],
+        in_batch: list[int],
+        hidden: torch.Tensor,
+        pruner: _Pruner | None,
+        slicer: LinearSlicer | None,
+    ) -> list[Sampled | None]:
+        """Draw the tokens of the chunks that sample; `hidden`'s rows are `in_batch`'s
+        chunks, and only those still in `live` at the end get their token."""
+        tokens: list[Sampled | None] = [None] * len(chunks)
+        rows, samplers, row = [], [], 0
+        for index in in_batch:
+            row += len(chunks[index].token_ids)
+            if chunks[index].sample:
+                rows.append(row - 1)
+                samplers.append(index)
+        if rows:
+            logits = self.model.logits(
+                hidden[torch.tensor(rows, device=self.device)], pruner, slicer
+            )
+            drawn = sample(
+                logits,
+                [chunks[i].params for i in samplers],
+                [chunks[i].generator for i in samplers],
+                [chunks[i].state for i in samplers],
+            )
+            for index, token in zip(samplers, drawn, strict=True):
+                if index in live:  # not released at a checkpoint in the output head
                     tokens[index] = token
-            return tokens
+        return tokens
 
     def metadata(self, chunks: list[ChunkInput], live: list[int]) -> AttentionMetadata:
         return build_metadata(
@@ -146,39 +193,48 @@ class ModelRunner:
 
 
 class _Pruner:
-    """The forward's `checkpoint` hook: drops the rows of cancelled chunks."""
+    """The forward's `checkpoint` hook: releases cancelled chunks, drops their rows."""
 
     def __init__(
         self, runner: ModelRunner, chunks: list[ChunkInput], live: list[int], control: StepControl
     ) -> None:
         self.runner = runner
         self.chunks = chunks
-        self.live = live  # shared with `execute`, which samples what is left in it
+        self.live = live  # the chunks still wanted; shared with `execute`, which samples them
+        self.in_batch = list(live)  # the chunks whose rows the batch holds, in order
         self.control = control
 
-    def __call__(self, batch: LayerBatch) -> None:
+    def __call__(self, batch: LayerBatch | None) -> None:
+        self.runner.gaps.mark()
         if self.control.abort.is_set():
             raise StepAborted
         cancelled = self.control.take_cancelled()
-        if not cancelled.intersection(self.live):
-            return
+        gone = [index for index in self.live if index in cancelled]
+        if gone:
+            self.live[:] = [index for index in self.live if index not in cancelled]
+        if batch is not None and len(self.in_batch) != len(self.live):
+            self._drop_rows(batch)
+        if gone:
+            if not self.live:
+                raise StepAborted
+            self.control.dropped(gone)
+
+    def _drop_rows(self, batch: LayerBatch) -> None:
+        """Keep only the rows of the chunks in `live`."""
         keep_rows: list[int] = []
         row = 0
-        kept, gone = [], []
-        for index in self.live:
+        for index in self.in_batch:
             length = len(self.chunks[index].token_ids)
-            if index in cancelled:
-                gone.append(index)
-            else:
-                kept.append(index)
+            if index in self.live:
                 keep_rows.extend(range(row, row + length))
             row += length
-        self.live[:] = kept
-        if not kept:
-            raise StepAborted
+        self.in_batch = list(self.live)
+        if not self.live:
+            return
         rows = torch.tensor(keep_rows, device=self.runner.device)
         batch.hidden = batch.hidden[rows]
         batch.cos = batch.cos[rows]
         batch.sin = batch.sin[rows]
-        batch.meta = self.runner.metadata(self.chunks, kept)
-        self.control.dropped(gone)
+        if batch.qkv is not None:
+            batch.qkv = batch.qkv[rows]
+        batch.meta = self.runner.metadata(self.chunks, self.live)

@@ -67,6 +67,7 @@ class WorkerSpec:
     dtype: str
     seed: int
     threads: int | None
+    checkpoint_gap: float
 
 
 class SharedFlag:
@@ -156,7 +157,9 @@ class _WorkerControl:
         self._conn.send(("dropped", chunks))
 
 
-def worker_main(conn: Connection, spec: WorkerSpec, kv_cache: KVCache, flags: torch.Tensor) -> None:
+def worker_main(
+    conn: Connection, spec: WorkerSpec, kv_cache: KVCache, flags: torch.Tensor, gaps: Any
+) -> None:
     """The worker process: load the model, then run steps until told to stop (None) or
     the parent is gone."""
     import tqdm
@@ -172,7 +175,7 @@ def worker_main(conn: Connection, spec: WorkerSpec, kv_cache: KVCache, flags: to
         loaded = load_model(
             spec.model, device=torch.device(spec.device), dtype=spec.dtype, seed=spec.seed
         )
-        runner = ModelRunner(loaded.model, kv_cache)
+        runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
         control = _WorkerControl(flags.numpy(), conn)
     except Exception as exc:
         conn.send(("failed", f"{exc!r}"))
@@ -208,6 +211,8 @@ class ProcessRunner:
         self.spec = spec
         self.local = local
         local.kv_cache.share_memory()
+        local.gaps.share_memory()
+        self.gaps = local.gaps  # the worker counts into the same histogram
         self._flags = torch.zeros(max_chunks + 1, dtype=torch.uint8).share_memory_()
         self._context = torch.multiprocessing.get_context("spawn")
         self._process: Any = None  # the ready worker, or None
@@ -249,7 +254,7 @@ class ProcessRunner:
         parent, child = self._context.Pipe()
         process = self._context.Process(
             target=worker_main,
-            args=(child, self.spec, self.local.kv_cache, self._flags),
+            args=(child, self.spec, self.local.kv_cache, self._flags, self.local.gaps),
             name="kvscope-model-worker",
             daemon=True,
         )

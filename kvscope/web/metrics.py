@@ -3,7 +3,9 @@
 Request-level figures come from the engine's release hook (called once per request when
 its KV blocks are back in the pool): counts by finish reason and by cancel reason,
 time to first token, inter-token latency, cancel-to-release latency, token counts.
-Step figures come from the step hook. Gauges (KV blocks, queue depth, running) are read
+Step figures come from the step hook; the gaps between the forward's checkpoints
+(`kvscope_checkpoint_gap_seconds`) are read at scrape time from the runner's own
+histogram (`models/gaps.py`), which the forward's thread or process fills. Gauges (KV blocks, queue depth, running) are read
 from `engine.stats()` at scrape time. `monitor_loop_lag` is a small task that samples
 how late the event loop wakes it: the lag every other coroutine suffers too.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvscope import Engine
@@ -86,6 +88,23 @@ class _EngineGauges(Collector):
         )
 
 
+class _CheckpointGaps(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        gaps = getattr(self._engine.runner, "gaps", None)
+        if gaps is None:
+            return
+        pairs, total = gaps.buckets()
+        yield HistogramMetricFamily(
+            "kvscope_checkpoint_gap_seconds",
+            "Forward time between two checkpoints (the longest a cancel waits for one)",
+            buckets=[("+Inf" if b == float("inf") else str(b), c) for b, c in pairs],
+            sum_value=total,
+        )
+
+
 class Metrics:
     """The server's metrics; `attach(engine)` hooks them to the engine."""
 
@@ -137,6 +156,7 @@ class Metrics:
 
     def attach(self, engine: Engine) -> None:
         self.registry.register(_EngineGauges(engine, self))
+        self.registry.register(_CheckpointGaps(engine))
         engine.release_listeners.append(self._on_release)
         engine.step_listeners.append(self._on_step)
 

@@ -158,6 +158,7 @@ def test_cancel_smoke(tmp_path: Path) -> None:
         assert f[hop]["count"] == 3 and f[hop]["p50"] is not None
     assert f["client"]["library"] == "aiohttp"
     assert set(f["client"]["cpu_s"]) == {"with_cancels", "baseline"}
+    assert f["checkpoint_gap"]["baseline"]["samples"] > 0  # every step counts its gaps
     assert (
         f["leak_free"]
         and f["leaked"]["kv_blocks_in_use"] == 0

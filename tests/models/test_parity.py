@@ -8,6 +8,7 @@ decode attention on the compiled CPU kernel and on the torch fallback.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ import torch
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.attention import build_metadata
 from kvscope.models.loader import load_model
+from kvscope.models.slicing import LinearSlicer
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 32
@@ -79,8 +81,11 @@ class Cache:
         ]
         self.tables: dict[int, list[int]] = {}
 
-    def step(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Run chunks (sequence, token ids, start), one-token chunks first; all logits."""
+    def step(
+        self, chunks: list[tuple[int, list[int], int]], slicer: LinearSlicer | None = None
+    ) -> torch.Tensor:
+        """Run chunks (sequence, token ids, start), one-token chunks first; all logits
+        (with `slicer`, every linear layer in column pieces)."""
         for seq, ids, start in chunks:
             table = self.tables.setdefault(seq, [])
             while len(table) * self.block_size < start + len(ids):
@@ -94,8 +99,10 @@ class Cache:
         )
         input_ids = torch.tensor([t for _, ids, _ in chunks for t in ids])
         positions = torch.tensor([p for _, ids, s in chunks for p in range(s, s + len(ids))])
+        hook = None if slicer is None else (lambda batch: None)
         with torch.inference_mode():
-            return self.model.logits(self.model.forward(input_ids, positions, meta, self.kv))
+            hidden = self.model.forward(input_ids, positions, meta, self.kv, hook, slicer)
+            return self.model.logits(hidden, hook, slicer)
 
 
 def test_prefill_logits_match_transformers(checkpoints: Any, kind: str) -> None:
@@ -106,22 +113,28 @@ def test_prefill_logits_match_transformers(checkpoints: Any, kind: str) -> None:
         assert_close(cache.step([(0, ids, 0)]), hf_logits(hf, ids))
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "linears-in-pieces"])
 def test_chunked_and_batched_logits_match_transformers(
-    checkpoints: Any, kind: str, attention_path: str
+    checkpoints: Any, kind: str, attention_path: str, pieces: bool
 ) -> None:
     """Prefill in chunks of 5 tokens, while two other sequences decode in the same steps
-    (their attention on the compiled kernel and on the fallback)."""
+    (their attention on the compiled kernel and on the fallback); and again with every
+    linear layer cut into as many column pieces as it allows."""
     directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
     loaded = load_model(str(directory), device=CPU, dtype="float32")
     a, b, c, _ = prompts(directory)
     cache = Cache(loaded)
-    cache.step([(1, b, 0), (2, c, 0)])  # two sequences prefilled in one step
+    slicer = LinearSlicer(target=1e-12, min_columns=64) if pieces else None
+    if slicer is not None:
+        assert slicer.pieces(loaded.model.layers[0].gate_up, 1) > 1
+    step = functools.partial(cache.step, slicer=slicer)
+    step([(1, b, 0), (2, c, 0)])  # two sequences prefilled in one step
     ref_b, ref_c = hf_logits(hf, b + a[:6]), hf_logits(hf, c + a[:6])
     ours = []
     for start in range(0, len(a), 5):
         n = start // 5
         decode = [(1, [a[n]], len(b) + n), (2, [a[n]], len(c) + n)] if n < 6 else []
-        logits = cache.step([*decode, (0, a[start : start + 5], start)])
+        logits = step([*decode, (0, a[start : start + 5], start)])
         if decode:
             assert_close(logits[0], ref_b[len(b) + n])
             assert_close(logits[1], ref_c[len(c) + n])

@@ -84,12 +84,12 @@ def test_nobody_left_or_the_abort_flag_stops_the_forward():
         runner.execute(StepInput(chunks(), []), control)
 
 
-def test_the_checkpoint_runs_twice_a_layer():
+def test_the_checkpoint_runs_twice_a_layer_and_after_the_last():
     runner = make_runner()
-    seen: list[int] = []
+    seen: list[int | None] = []
 
-    def hook(batch: LayerBatch) -> None:
-        seen.append(batch.hidden.shape[0])
+    def hook(batch: LayerBatch | None) -> None:
+        seen.append(None if batch is None else batch.hidden.shape[0])
 
     runner.model.forward(
         torch.tensor([1, 2, 3]),
@@ -98,4 +98,69 @@ def test_the_checkpoint_runs_twice_a_layer():
         runner.kv_cache,
         hook,
     )
-    assert seen == [3] * 2 * runner.model.config.num_layers  # before attention and MLP
+    # before each layer's attention and MLP, and before the final norm; no slicer, so
+    # no checkpoint where rows cannot leave
+    assert seen == [3] * (2 * runner.model.config.num_layers + 1)
+
+
+def make_sliced_runner() -> ModelRunner:
+    """A runner that cuts every linear layer into as many pieces as it allows."""
+    plain = make_runner()
+    runner = ModelRunner(plain.model, plain.kv_cache, checkpoint_gap=1e-12)
+    assert runner.slicer is not None
+    runner.slicer.min_columns = 32  # the tiny model's layers are narrow
+    return runner
+
+
+class Counting(StepControl):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def take_cancelled(self) -> set[int]:
+        self.calls += 1
+        return super().take_cancelled()
+
+
+def test_linears_in_pieces_add_checkpoints_and_change_no_token():
+    whole = make_runner().execute(StepInput(chunks(), []), Counting())
+    runner = make_sliced_runner()
+    control = Counting()
+    assert runner.execute(StepInput(chunks(), []), control) == whole
+    layers = runner.model.config.num_layers
+    assert control.calls > 2 * layers + 1
+    # every checkpoint's gap, the step's first (from its start) and its last (to its end)
+    assert runner.gaps.statistics().count == control.calls + 1
+
+
+def sliced_checkpoints() -> int:
+    control = Counting()
+    make_sliced_runner().execute(StepInput(chunks(), []), control)
+    return control.calls
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+@pytest.mark.parametrize("at", range(sliced_checkpoints()))
+def test_a_chunk_cancelled_at_any_checkpoint_is_released_once_and_the_rest_unchanged(
+    chunk: int, at: int
+):
+    """Between the pieces of a linear layer its rows cannot leave the batch yet: the
+    chunk is handed back there at once, and its rows leave at the next checkpoint that
+    allows it (before any KV block is touched)."""
+    whole = make_runner().execute(StepInput(chunks(), []))
+    control = CancelAtLayer(chunk, at)
+    pruned = make_sliced_runner().execute(StepInput(chunks(), []), control)
+    assert control.handed_back == [[chunk]]
+    assert pruned[chunk] is None
+    assert [t for i, t in enumerate(pruned) if i != chunk] == [
+        t for i, t in enumerate(whole) if i != chunk
+    ]
+
+
+def test_gaps_are_counted_for_an_aborted_step_too():
+    runner = make_runner()
+    control = StepControl()
+    control.abort.set()
+    with pytest.raises(StepAborted):
+        runner.execute(StepInput(chunks(), []), control)
+    assert runner.gaps.statistics().count == 2  # start -> first checkpoint -> end

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+from kvscope.bench.core import prometheus
 from kvscope.web.schemas import Stats
 
 from .conftest import LONG, Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
@@ -47,8 +49,11 @@ def test_stats_metrics_health(live: Live) -> None:
         "kvscope_event_loop_lag_seconds_count",
         "kvscope_step_forward_seconds_count",
         "kvscope_worker_restarts_total 0.0",
+        'kvscope_checkpoint_gap_seconds_bucket{le="0.002"}',
     ):
         assert needle in text, needle
+    gaps = prometheus.histogram(text, "kvscope_checkpoint_gap_seconds")
+    assert gaps[math.inf] > 0  # every step counted its gaps
 
 
 def test_drain_then_shutdown(backend: str, tmp_path: Path) -> None:

@@ -74,8 +74,9 @@ def _latency(records: list[StreamRecord], indices: set[int]) -> tuple[list[float
     return ttft, itl
 
 
-def lag(run: RawRun) -> Lag:
-    buckets = run.loop_lag_buckets
+def lag(run: RawRun, buckets: dict[float, float] | None = None) -> Lag:
+    """Quantiles of a run's loop-lag histogram (or of `buckets`, another one's)."""
+    buckets = run.loop_lag_buckets if buckets is None else buckets
     q = prometheus.quantile
 
     def in_ms(x: float | None) -> float | None:
@@ -212,6 +213,10 @@ def figures(
         step_ms_baseline_itl_p50=ms(_latency(baseline.records, all_baseline)[1]).p50,
         survivors=survivors(with_cancels, baseline, keep),
         loop_lag={"with_cancels": lag(with_cancels), "baseline": lag(baseline)},
+        checkpoint_gap={
+            "with_cancels": lag(with_cancels, with_cancels.checkpoint_gap_buckets),
+            "baseline": lag(baseline, baseline.checkpoint_gap_buckets),
+        },
         after=after,
         kv_timeline={
             k: [(p["t"], p.get("kv_blocks_in_use")) for p in v] for k, v in timeline.items()

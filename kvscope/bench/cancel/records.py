@@ -53,6 +53,8 @@ class RawRun:
     loop_lag_buckets: dict[float, float]
     client_cpu_s: float
     rounds: int = 1
+    #: The forward's gaps between cancel checkpoints (`le` -> count) over the run.
+    checkpoint_gap_buckets: dict[float, float] = attrs.Factory(dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -148,6 +150,8 @@ class CancelRun(Record):
     targets: dict[str, Target]
     # Since format 2:
     worker: str | None = None
+    #: The gap between the forward's cancel checkpoints (the server's histogram).
+    checkpoint_gap: dict[str, Lag] | None = None
     #: Hop 2: DELETE sent (client wall) -> the audit log's `cancelled` stamp.
     delete_sent_to_cancelled_ms: Summary | None = None
     #: Hop 4: the audit log's `released` stamp -> the DELETE's answer read (client wall).

@@ -26,11 +26,14 @@ from .plans import make_plans
 from .records import RawRun, StreamRecord
 
 LAG = "kvscope_event_loop_lag_seconds"
+GAP = "kvscope_checkpoint_gap_seconds"
 
 
-async def _lag_histogram(client: aiohttp.ClientSession) -> dict[float, float]:
+async def _histograms(client: aiohttp.ClientSession) -> tuple[dict[float, float], ...]:
+    """The loop-lag and checkpoint-gap histograms, as `/metrics` has them now."""
     async with client.get("/metrics") as response:
-        return prometheus.histogram(await response.text(), LAG)
+        text = await response.text()
+    return prometheus.histogram(text, LAG), prometheus.histogram(text, GAP)
 
 
 async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) -> RawRun:
@@ -39,7 +42,7 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
     stop = anyio.Event()
     connections = 2 * len(plans) + 8  # a stream and a DELETE each, the poller, spare
     async with session(base_url, timeout=args.run_timeout, connections=connections) as client:
-        lag_before = await _lag_histogram(client)
+        before = await _histograms(client)
         clock = CpuClock()
         origin = clock.wall0
 
@@ -54,12 +57,13 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
                         streams.start_soon(one, plan)
                 wall, cpu = clock.wall, clock.cpu
                 stop.set()
-        lag = prometheus.window(lag_before, await _lag_histogram(client))
+        lag, gap = map(prometheus.window, before, await _histograms(client))
     return RawRun(
         wall_s=round(wall, 3),
         records=sorted(records, key=lambda r: r.index),
         timeline=timeline,
         loop_lag_buckets=lag,
+        checkpoint_gap_buckets=gap,
         client_cpu_s=cpu,
     )
 
@@ -114,16 +118,20 @@ async def bench_server(
 
 
 def merge(parts: list[RawRun]) -> RawRun:
-    """Pool the records and the lag histograms of several runs; keep the first timeline."""
+    """Pool the records and the histograms of several runs; keep the first timeline."""
     lag: dict[float, float] = {}
+    gap: dict[float, float] = {}
     for part in parts:
         for le, n in part.loop_lag_buckets.items():
             lag[le] = lag.get(le, 0.0) + n
+        for le, n in part.checkpoint_gap_buckets.items():
+            gap[le] = gap.get(le, 0.0) + n
     return RawRun(
         wall_s=round(sum(p.wall_s for p in parts), 3),
         records=[r for p in parts for r in p.records],
         timeline=parts[0].timeline,
         loop_lag_buckets=lag,
+        checkpoint_gap_buckets=gap,
         client_cpu_s=sum(p.client_cpu_s for p in parts),
         rounds=len(parts),
     )

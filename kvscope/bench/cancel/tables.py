@@ -45,6 +45,9 @@ def _hop_rows(run: CancelRun) -> list[list[object]]:
         ["event-loop lag (server monitor)", lag.p50_ms, lag.p99_ms, None, lag.samples, lag_target]
     )
     rows.append(["   the same, baseline run", base.p50_ms, base.p99_ms, None, base.samples, ""])
+    if run.checkpoint_gap is not None:
+        gap = run.checkpoint_gap["with_cancels"]
+        rows.append(["checkpoint gap (forward)", gap.p50_ms, gap.p99_ms, None, gap.samples, ""])
     return rows  # fmt: skip
 
 

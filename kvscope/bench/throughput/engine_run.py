@@ -46,10 +46,10 @@ class StepRecorder:
                 self._model_seconds = time.perf_counter() - t0
                 self._tokens = int(input_ids.shape[0])
 
-        def timed_logits(hidden):  # the LM head is model compute too
+        def timed_logits(hidden, *args, **kwargs):  # the LM head is model compute too
             t0 = time.perf_counter()
             try:
-                return logits(hidden)
+                return logits(hidden, *args, **kwargs)
             finally:
                 self._model_seconds += time.perf_counter() - t0
 
