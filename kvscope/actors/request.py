@@ -24,7 +24,7 @@ from kvscope.models.tokenizer import IncrementalDecoder, Tokenizer
 from kvscope.params import SamplingParams
 
 from .messages import STATUS_OF_REASON, Completion, Delta, RequestInfo, RequestStatus
-from .scheduler import Sequence
+from .sequence import Sequence
 
 #: Bytes a folded request holds besides its text and token ids: its state, sequence,
 #: events and scope (measured with tracemalloc: about 8 KiB).

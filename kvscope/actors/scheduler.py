@@ -5,131 +5,24 @@ block table. It is synchronous and used by one task at a time (the step actor
 schedules and advances; a request's cleanup removes), so no check is ever separated
 from its act by an `await`.
 
-A `Sequence` is the scheduler's view of one request: its tokens, how many of them have
-their K/V in the cache (`num_computed`), its block table and block hashes.
+A `Sequence` (`sequence.py`) is the scheduler's view of one request: its tokens, how
+many of them have their K/V in the cache (`num_computed`), its block table and block
+hashes.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
-from collections.abc import Callable
-from typing import Any, Protocol
 
 import attrs
-import torch
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed, extend_hashes
-from kvscope.kernels.sampling import TokenLogprobs
-from kvscope.params import SamplingParams
 
 from .messages import RequestStatus
+from .sequence import Sequence
 from .step_budget import StepTimeBudget
-
-_arrivals = itertools.count()
-
-
-class SequenceOwner(Protocol):
-    """The request a sequence belongs to, as the step actor talks to it."""
-
-    def deliver(self, token: int, logprobs: TokenLogprobs | None = None) -> None: ...
-
-    def finish_generation(self, reason: str, error: str | None = None) -> None: ...
-
-
-class Sequence:
-    """One request's tokens and KV blocks as the scheduler sees them."""
-
-    __slots__ = (
-        "id",
-        "priority",
-        "arrival",
-        "tokens",
-        "num_prompt_tokens",
-        "num_computed",
-        "block_table",
-        "block_hashes",
-        "num_committed",
-        "_status",
-        "fork_from",
-        "share_target",
-        "is_cancelled",
-        "params",
-        "generator",
-        "owner",
-        "num_preemptions",
-        "cache_salt",
-    )
-
-    def __init__(
-        self,
-        seq_id: str,
-        prompt: list[int],
-        *,
-        priority: int = 0,
-        fork_from: Sequence | None = None,
-        is_cancelled: Callable[[], bool] | None = None,
-        params: SamplingParams | None = None,
-        owner: Any = None,
-    ) -> None:
-        self.id = seq_id
-        self.priority = priority
-        self.arrival = next(_arrivals)
-        self.tokens = list(prompt)
-        self.num_prompt_tokens = len(prompt)
-        self.num_computed = 0
-        self.block_table: list[int] = []
-        self.block_hashes: list[bytes] = []
-        self.num_committed = 0  # leading full blocks registered in the prefix cache
-        self._status = RequestStatus.QUEUED
-        self.is_cancelled = is_cancelled or (lambda: False)
-        self.params: SamplingParams = params or SamplingParams()
-        self.generator: torch.Generator | None = None
-        self.owner: SequenceOwner = owner
-        self.num_preemptions = 0
-        #: Starts its prefix-cache hash chain: sequences share cached blocks only with
-        #: the same salt (kvscope salts with the API key, see docs/security.md).
-        self.cache_salt: bytes | None = None
-        # A child shares its parent's blocks for their common prefix (fork); it waits
-        # for the parent to compute that prefix rather than computing it twice.
-        self.fork_from = fork_from
-        self.share_target = 0
-        if fork_from is not None:
-            common = 0
-            for mine, theirs in zip(self.tokens, fork_from.tokens, strict=False):
-                if mine != theirs:
-                    break
-                common += 1
-            self.share_target = min(common, len(self.tokens) - 1)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
-
-    @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
-
-    @property
-    def status(self) -> RequestStatus:
-        """The request's status, kept here and nowhere else (`RequestState.status`)."""
-        return self._status
-
-    @status.setter
-    def status(self, value: RequestStatus) -> None:
-        # An end is never undone (a preemption before the request leaves, or a second
-        # end, changes nothing); only the release follows it.
-        if self._status.is_final and value is not RequestStatus.RELEASED:
-            return
-        self._status = value
-
-    def skippable(self) -> bool:
-        return self._status.is_final or self.is_cancelled()
-
-    def __repr__(self) -> str:
-        return f"Sequence({self.id!r}, {self.status.name}, computed={self.num_computed}/{len(self.tokens)})"
 
 
 @attrs.frozen

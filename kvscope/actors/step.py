@@ -33,7 +33,8 @@ from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
 from kvscope.models.worker import ProcessRunner
 
 from .messages import StepStatistics
-from .scheduler import ScheduledStep, Scheduler, Sequence
+from .scheduler import ScheduledStep, Scheduler
+from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 
 
+# One kernel, longer than the ~60 lines a function gets elsewhere: a Triton kernel
+# cannot call out to Python helpers, and splitting it into @triton.jit pieces would
+# hide the one loop (over the KV blocks, with the online softmax) that it is.
 @triton.jit
 def _paged_decode_kernel(
     q_ptr,

@@ -26,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,24 +64,11 @@ def measure(name: str, extra: list[str], rounds: int, work: Path) -> dict[str, A
     command = [sys.executable, "-m", "kvscope.cli", "serve", "--port", str(port)]
     command += ["--num-kv-blocks", "64", "--model-threads", "1", "--log-level", "WARNING"]
     command += ["--audit-log", str(audit), *extra]
-    log = (work / f"{name}.log").open("w")
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(base_url=url, timeout=60) as client:
+    with serving(command, work / f"{name}.log") as process:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             wait_ready(client, process, replicas=2 if extra else 0)
             deletes = [_delete_round(client) for _ in range(rounds)]
             closes = [_close_round(client) for _ in range(rounds)]
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
     records = {r["id"]: r for r in map(json.loads, audit.read_text().splitlines())}
     disconnect = [records[i]["cancelled"] - closed for i, closed in closes]
     release = [records[i]["released"] - records[i]["cancelled"] for i, _ in closes]
@@ -144,6 +133,25 @@ def table(result: dict[str, Any]) -> str:
         ]
         rows.append(f"| {path} | {figure} (p50 / p99 ms) | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+@contextmanager
+def serving(command: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `kvscope serve` (`command`) for the block, its output in `log_path`; stop it
+    with SIGINT at the end (SIGKILL to its process group after 120 s)."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield process
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def wait_ready(client: httpx.Client, process: subprocess.Popen[bytes], replicas: int) -> None:

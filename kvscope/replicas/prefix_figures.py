@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from .figures import ROOT, free_port, revision, wait_ready
+from .figures import ROOT, free_port, revision, serving, wait_ready
 
 WORDS = (
     "river stone lantern orchard winter copper harbor meadow signal ledger canvas "
@@ -99,11 +97,7 @@ def measure(
     command += ["--replicas", "2", "--ray-cpus", "4", "--num-kv-blocks", str(pool)]
     command += ["--model-threads", "1", "--log-level", "WARNING"]
     command += ["--prefix-routing" if routing else "--no-prefix-routing"]
-    log = (work / f"{name}.log").open("w")
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
+    with serving(command, work / f"{name}.log") as process:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
             wait_ready(client, process, replicas=2)
             before = client.get("/stats").json()["replicas"]
@@ -119,14 +113,6 @@ def measure(
                 answered = list(pool_.map(call, prompts))
             took = time.perf_counter() - started
             after = client.get("/stats").json()["replicas"]
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
     per_replica = {
         replica: _rates(before.get(replica, {}), stats, answered.count(replica))
         for replica, stats in after.items()

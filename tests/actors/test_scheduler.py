@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvscope.actors.messages import RequestStatus
-from kvscope.actors.scheduler import Scheduler, Sequence
+from kvscope.actors.scheduler import Scheduler
+from kvscope.actors.sequence import Sequence
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
 

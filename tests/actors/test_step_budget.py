@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.actors.scheduler import Sequence
+from kvscope.actors.sequence import Sequence
 from kvscope.actors.step_budget import StepTimeBudget
 
 from .test_scheduler import make, run_step
