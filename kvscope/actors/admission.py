@@ -170,12 +170,15 @@ class Admission:
             sample = attrs.evolve(params, seed=seed)
             state.pending_children.append(self._new_state(spec, None, prompt_ids, sample, state))
         self.ledger.admitting += spec.samples
+        if spec.request_id is not None:
+            self.registry.reserve(spec.request_id)  # until its task adds it
         return state, group
 
     def unadmit(self, state: RequestState, samples: int) -> None:
         """Its task could not start (its parent's group closed meanwhile)."""
         state.root.family_size -= samples
         self.ledger.admitting -= samples
+        self.registry.unreserve(state.id)
 
     def _parent(self, spec: RequestSpec, root: TaskGroup) -> tuple[RequestState | None, TaskGroup]:
         if spec.parent is None:

@@ -28,11 +28,24 @@ class Registry:
         self._history_size = history
         self._history_bytes = history_bytes
         self.retained_bytes = 0
+        #: Ids admitted whose task has not added them yet: the admission's check and the
+        #: task's `add` are separated by the task's start, where another request runs.
+        self._reserved: set[str] = set()
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._live or request_id in self._history
+        return (
+            request_id in self._live or request_id in self._history or request_id in self._reserved
+        )
+
+    def reserve(self, request_id: str) -> None:
+        """Hold a client-chosen id from its admission until its task adds it."""
+        self._reserved.add(request_id)
+
+    def unreserve(self, request_id: str) -> None:
+        self._reserved.discard(request_id)
 
     def add(self, state: RequestState) -> None:
+        self._reserved.discard(state.id)
         if state.id in self:
             raise ValueError(f"request id {state.id!r} is already in use")
         self._live[state.id] = state

@@ -139,6 +139,27 @@ async def test_unknown_or_ended_parent_and_duplicate_ids(engine: Engine):
     await job.wait()
 
 
+async def test_one_id_submitted_twice_at_once_is_one_request_and_one_conflict(engine: Engine):
+    # The second submit runs while the first one's task has yet to start: the id must
+    # already be taken then (it was an ExceptionGroup out of the task).
+    outcomes: list[str] = []
+
+    async def submit() -> None:
+        try:
+            job = await engine.submit("twins", request_id="twin", max_tokens=2, **GREEDY)
+        except RequestConflict:
+            outcomes.append("conflict")
+        else:
+            await job.wait()
+            outcomes.append("ran")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(submit)
+        tg.start_soon(submit)
+    assert sorted(outcomes) == ["conflict", "ran"]
+    assert [line["id"] for line in engine.audit_records()].count("twin") == 1
+
+
 async def test_watchers_see_the_whole_stream_and_cancel_nothing(engine: Engine):
     job = await engine.submit("watched", max_tokens=20, **GREEDY)
     with anyio.CancelScope() as scope:
