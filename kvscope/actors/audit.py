@@ -9,6 +9,7 @@ records are also kept in memory, bounded, for `Engine.audit_records()`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import deque
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .request import RequestState
+
+log = logging.getLogger(__name__)
 
 
 class AuditLog:
@@ -29,18 +32,31 @@ class AuditLog:
             self._file = os.fdopen(fd, "a", encoding="utf-8")
         self.records: deque[dict[str, Any]] = deque(maxlen=keep)
         self.count = 0
+        self.failed_writes = 0
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         self.count += 1
         if self._file is not None:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._file.flush()
+            except OSError as exc:
+                # It runs in a request's cleanup: a full disk must not stop the request
+                # from publishing its end (a stream or a DELETE would wait forever).
+                self.failed_writes += 1
+                if self.failed_writes == 1:
+                    log.error(
+                        "the audit log %s could not be written (%s); lines are lost", self.path, exc
+                    )
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:
+                pass  # what a failed write left in the buffer; already reported
 
 
 def record_of(state: RequestState) -> dict[str, Any]:

@@ -3,6 +3,8 @@ generation, detached jobs, sampling and stop conditions, validation, stats."""
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import pytest
 
@@ -260,3 +262,16 @@ async def test_merged_streams_interleave_samples_as_they_arrive(engine: Engine):
     # The samples decode in the same steps, so their deltas alternate rather than
     # arriving one sample after another.
     assert order[:3] != [0, 0, 0] and len(set(order[:6])) > 1
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+async def test_an_audit_log_that_cannot_be_written_loses_lines_not_requests() -> None:
+    # Every write to /dev/full fails with ENOSPC, as on a full disk.
+    async with open_engine(audit_log="/dev/full") as engine:
+        done = await engine.generate("full disk", max_tokens=3, **GREEDY)
+        job = await engine.submit("cancelled", max_tokens=10_000, **GREEDY)
+        report = await engine.cancel(job.id)
+    stats = engine.stats()  # closed: every task has ended
+    assert done.finish_reason == "length" and report.found and report.blocks_released > 0
+    assert stats["kv_blocks_in_use"] == 0 and stats["tasks"] == 0
+    assert [r["id"] for r in engine.audit_records()] == [done.id, job.id]  # kept in memory
