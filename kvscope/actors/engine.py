@@ -227,7 +227,7 @@ class Engine:
             tokens_generated=len(state.token_ids),
             blocks_released=state.blocks_released,
             release_seconds=state.released_at - called,
-            waited_for_step=state.waited_for_step,
+            in_running_step=state.in_running_step,
         )
 
     def cancel_nowait(self, request_id: str, reason: str = "user", by: str | None = None) -> bool:

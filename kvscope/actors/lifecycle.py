@@ -7,14 +7,15 @@ ends. However it ends (finished, failed, cancelled by id, by its caller's scope,
 its parent, by timeout, by shutdown) its one `finally` reads top to bottom:
 
 1. settle the status (a finish that came first stays a finish) and leave the
-   scheduler, dropping the request's block references (synchronous);
-2. if the running step pins the blocks, have it drop the request at the forward's next
-   checkpoint and wait until it unpins them (shielded, with a deadline);
-3. stamp the release, write the audit line, publish the end (synchronous).
+   scheduler, dropping the request's block references;
+2. leave the running step, if it holds the request: its pins are dropped at once (the
+   blocks are free now) and the forward drops its rows at the next checkpoint;
+3. stamp the release, write the audit line, publish the end.
 
-The other actors only signal: the step actor sets the request's end with
-`finish_generation` and an event when it unpins; `RequestState.cancel` cancels the
-scope. Children run in the request's task group, so cancelling a request cancels its
+All of it is synchronous: the cleanup never waits, for the forward or anything else,
+so it cannot be cancelled half-way either. The other actors only signal: the step
+actor sets the request's end with `finish_generation`; `RequestState.cancel` cancels
+the scope. Children run in the request's task group, so cancelling a request cancels its
 whole subtree by structure; the task itself ends when its children have.
 """
 
@@ -35,11 +36,6 @@ from .scheduler import Scheduler
 from .step import StepActor
 
 log = logging.getLogger("kvscope.requests")
-
-#: How long a request's cleanup waits for the running step to unpin its blocks; the
-#: forward's next checkpoint is at most half a layer away, so this is only reached
-#: if the model hangs (the blocks are then freed whenever the step ends).
-UNPIN_DEADLINE = 30.0
 
 
 class Ledger:
@@ -96,14 +92,8 @@ async def run_request(
                     _forget_unstarted_children(state, actors.ledger)
                     state.settle(*_cancel_reason(state, scope))
                     state.blocks_released = actors.scheduler.remove(state.seq)
-                    unpinned = actors.step.leave(state.seq)
+                    state.in_running_step = actors.step.leave(state.seq)
                     actors.step.wake()  # its room in the batch and the pool is free
-                    if unpinned is not None:
-                        state.waited_for_step = True
-                        with anyio.move_on_after(UNPIN_DEADLINE, shield=True):
-                            await unpinned.wait()
-                        if not unpinned.is_set():
-                            log.error("request %s: the step did not unpin its blocks", state.id)
                     state.mark_released()
                     actors.audit.write(record_of(state))
                     _publish(state, actors.ledger)

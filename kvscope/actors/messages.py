@@ -87,9 +87,9 @@ class CancelReport:
     blocks_released: int = 0
     #: Seconds from the cancel call to the release of the request's KV blocks.
     release_seconds: float | None = None
-    #: True when the running step pinned the blocks and the release waited for it to
-    #: drop the request (at the forward's next checkpoint, or at the step's end).
-    waited_for_step: bool = False
+    #: True when the request was in the running step: its blocks were freed at once
+    #: all the same, and the forward dropped its rows at its next checkpoint.
+    in_running_step: bool = False
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)
@@ -133,7 +133,8 @@ class StepStatistics:
     aborted_steps: int
     #: Sequences preempted (their blocks freed, to be recomputed) so far.
     preemptions: int
-    #: The request ids in the running step (empty between steps).
+    #: The request ids the running step still serves (empty between steps; a request
+    #: that ended mid-step has left it).
     in_flight: tuple[str, ...]
     #: Whether the running forward was told to stop at its next checkpoint.
     abort_requested: bool

@@ -101,7 +101,7 @@ class RequestState:
         self.released_at: float | None = None
         self.released_wall: float | None = None
         self.blocks_released = 0
-        self.waited_for_step = False
+        self.in_running_step = False
 
     def _init_output(
         self, tokenizer: Tokenizer, params: SamplingParams, guide: Guide | None

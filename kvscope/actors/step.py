@@ -2,18 +2,21 @@
 
 Each iteration: ask the scheduler for the next step; drop every sequence whose request
 ended or was cancelled (right before launching the kernels); pin the blocks the step
-reads and writes (+1 each, so nothing is freed while the forward can write it); run
-the forward and sampling in a worker thread (or the model worker process) so the event
-loop stays responsive; unpin; advance the sequences and hand each live request its
-token with a synchronous call, never awaiting a consumer.
+reads and writes (+1 each); run the forward and sampling in a worker thread (or the
+model worker process) so the event loop stays responsive; unpin; advance the sequences
+and hand each live request its token with a synchronous call, never awaiting a
+consumer.
 
 It never ends a request and never calls back into the engine. A request that ends
 while its sequence is in the running step calls `leave` from its own cleanup: the
-chunk is marked in the step's `StepControl`, the forward drops its rows at its next
-checkpoint (before each layer's attention and MLP) and reports them, and this actor
-unpins their blocks right then (not at the step's end) and sets the event `leave`
-returned, which is all the request's cleanup waits for. When nobody is left in the
-step, the forward stops (`StepAborted`). Idle, the actor sleeps on a wake-up event.
+chunk is marked in the step's `StepControl` (the forward drops its rows at its next
+checkpoint, before each layer's attention and MLP, and stops when nobody is left,
+`StepAborted`) and its pins are dropped at once, so its blocks are free before `leave`
+returns: the cancel never waits for the forward. That is safe because blocks are
+handed out only by `Scheduler.schedule`, which this actor calls between steps, never
+while a forward runs: the pool is fenced for the step (`BlockPool.fence`), like a
+device allocator whose frees are ordered before the next kernel that could reuse the
+memory. Idle, the actor sleeps on a wake-up event.
 """
 
 from __future__ import annotations
@@ -53,13 +56,12 @@ class StepActor:
         self.runner = runner
         self.pool = pool
         self.debug = debug
-        self.control = runner.new_control(self._dropped_by_worker)
+        self.control = runner.new_control()
         self._wakeup = anyio.Event()
-        # The running step, by chunk: its sequences, the blocks pinned for each, and
-        # the event set when they are unpinned (empty between steps).
+        # The running step, by chunk: its sequences and the blocks pinned for each
+        # (None once unpinned; empty between steps).
         self._in_flight: list[Sequence] = []
-        self._pins: list[list[int]] = []
-        self._unpinned: list[anyio.Event] = []
+        self._pins: list[list[int] | None] = []
         self._limiter = anyio.CapacityLimiter(1)
         self._on_step = on_step
         #: Called in the model's thread right before each forward (a test may hold a
@@ -76,26 +78,30 @@ class StepActor:
         """Stop the running forward at its next checkpoint (shutdown)."""
         self.control.abort.set()
 
-    def leave(self, seq: Sequence) -> anyio.Event | None:
-        """(a request's cleanup) `seq` ended: drop it from the running step at the next
-        checkpoint, and stop the forward if nobody is left. Returns the event set when
-        its blocks are unpinned, or None if the running step does not pin them."""
+    def leave(self, seq: Sequence) -> bool:
+        """(a request's cleanup) `seq` ended: unpin its blocks now, have the forward
+        drop its rows at the next checkpoint, and stop the forward if nobody is left.
+        Returns whether the running step held it."""
         if seq not in self._in_flight:
-            return None
+            return False
         index = self._in_flight.index(seq)
-        if self._unpinned[index].is_set():
-            return None
+        if self._pins[index] is None:
+            return False
         self.control.cancel(index)
         if all(other.skippable() for other in self._in_flight):
             self.control.abort.set()
-        return self._unpinned[index]
+        self._unpin(index)
+        return True
 
     def statistics(self) -> StepStatistics:
         return StepStatistics(
             steps=self.steps,
             aborted_steps=self.aborted_steps,
             preemptions=self.preemptions,
-            in_flight=tuple(seq.id for seq in self._in_flight),
+            # the requests the running step still serves (not those that left it)
+            in_flight=tuple(
+                seq.id for seq, pins in zip(self._in_flight, self._pins) if pins is not None
+            ),
             abort_requested=self.control.abort.is_set(),
         )
 
@@ -128,13 +134,13 @@ class StepActor:
         for pins in self._pins:
             self.pool.acquire(pins)
         self._in_flight = [seq for seq, _ in live]
-        self._unpinned = [anyio.Event() for _ in live]
         self.control.reset()
         tokens: list[Sampled | None] | None = None
         failure: BaseException | None = None
         started = time.perf_counter()
         try:
-            tokens = await anyio.to_thread.run_sync(self._execute, work, limiter=self._limiter)
+            with self.pool.fence():
+                tokens = await anyio.to_thread.run_sync(self._execute, work, limiter=self._limiter)
         except StepAborted:
             self.aborted_steps += 1
         except Exception as exc:  # a model failure fails this step's requests, not the engine
@@ -142,9 +148,10 @@ class StepActor:
             failure = exc
         finally:
             forward_seconds = time.perf_counter() - started
-            self._unpin(range(len(live)))
+            for index in range(len(live)):
+                self._unpin(index)
             self.pool.release(copy_sources)
-            self._in_flight, self._pins, self._unpinned = [], [], []
+            self._in_flight, self._pins = [], []
         self.steps += 1
         if tokens is not None:  # a finished step: its time teaches the time budget
             self.scheduler.step_budget.observe(forward_seconds, sum(n for _, n in live))
@@ -176,19 +183,12 @@ class StepActor:
             hook()
         return self.runner.execute(work, self.control)
 
-    def _unpin(self, chunks: range | list[int]) -> None:
-        """Unpin these chunks' blocks (those whose request ended are freed now) and
-        tell whoever waits for them."""
-        for index in chunks:
-            unpinned = self._unpinned[index]
-            if unpinned.is_set():
-                continue  # dropped earlier in the step
-            self.pool.release(self._pins[index])
-            unpinned.set()
-
-    def _dropped_by_worker(self, chunks: list[int]) -> None:
-        """(worker thread) The runner dropped these chunks: unpin them on the loop now."""
-        anyio.from_thread.run_sync(self._unpin, chunks)
+    def _unpin(self, index: int) -> None:
+        """Unpin chunk `index`'s blocks (those whose request ended are freed now)."""
+        pins = self._pins[index]
+        if pins is not None:  # else it left earlier in the step
+            self._pins[index] = None
+            self.pool.release(pins)
 
     def _chunk_input(self, seq: Sequence, num_new: int) -> ChunkInput:
         start = seq.num_computed

@@ -14,12 +14,19 @@ Invariant: free + in use + cached == total, and every count is >= 0. All methods
 synchronous: a check and the act it guards (`can_allocate` then `allocate`) never have
 an `await` between them, so nothing interleaves and a release cannot be cancelled
 half-way. Releasing a block more often than it was acquired is a bug and asserts.
+
+While a forward runs, the pool is fenced (`fence()`): a block may be released then (a
+cancelled request's, at once), but none is handed out (allocated, or revived from the
+cache), because the running forward may still write a block it was given before the
+release. The step actor schedules, and so allocates, only between forwards; the fence
+asserts it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import attrs
 
@@ -46,6 +53,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._num_in_use = 0
+        self._fenced = False
 
     # -- counts ---------------------------------------------------------------
 
@@ -82,6 +90,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks (reference count 1 each), evicting cached ones if needed."""
+        assert not self._fenced, "a KV block handed out while a forward runs"
         if n > self.num_available:
             raise MemoryError(f"asked for {n} KV blocks, {self.num_available} available")
         blocks = []
@@ -103,6 +112,7 @@ class BlockPool:
             if refcount[block] == 0:
                 # Only a cached block may be revived; a free one has no content.
                 assert block in self._cached, f"block {block} is free, not cached"
+                assert not self._fenced, "a KV block revived while a forward runs"
                 del self._cached[block]
                 self._num_in_use += 1
             refcount[block] += 1
@@ -140,6 +150,15 @@ class BlockPool:
         (fresh,) = self.allocate(1)
         self.release((block,))
         return fresh
+
+    @contextmanager
+    def fence(self) -> Iterator[None]:
+        """While a forward runs: releases are allowed, handing blocks out is not."""
+        self._fenced = True
+        try:
+            yield
+        finally:
+            self._fenced = False
 
     # -- prefix cache -----------------------------------------------------------
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 
 import attrs
 import torch
@@ -59,11 +58,10 @@ class StepInput:
 class StepControl:
     """Thread-safe channel from the event loop into the running step."""
 
-    def __init__(self, dropped: Callable[[list[int]], None] | None = None) -> None:
+    def __init__(self) -> None:
         self.abort = threading.Event()
         self._lock = threading.Lock()
         self._cancelled: set[int] = set()
-        self._dropped = dropped
 
     def reset(self) -> None:
         with self._lock:
@@ -82,9 +80,8 @@ class StepControl:
         return taken
 
     def dropped(self, chunks: list[int]) -> None:
-        """(worker) These chunks left the batch: their blocks may be released now."""
-        if self._dropped is not None:
-            self._dropped(chunks)
+        """(worker) These chunks left the batch. Nothing waits for it (the loop freed
+        their blocks when it cancelled them); a hook for whoever observes the forward."""
 
 
 _DEFAULT_GAP = EngineConfig().checkpoint_gap  # one place for the default
@@ -114,9 +111,9 @@ class ModelRunner:
         decode_backend(self.device.type)
         log.info("linear layers: %s (kernels/linear.py)", model.linear_layout)
 
-    def new_control(self, dropped: Callable[[list[int]], None]) -> StepControl:
+    def new_control(self) -> StepControl:
         """The control channel the step actor uses for this runner's steps."""
-        return StepControl(dropped)
+        return StepControl()
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         """Run one step; returns the sampled token of each chunk (None if it samples
@@ -193,7 +190,7 @@ class ModelRunner:
 
 
 class _Pruner:
-    """The forward's `checkpoint` hook: releases cancelled chunks, drops their rows."""
+    """The forward's `checkpoint` hook: drops the rows of cancelled chunks."""
 
     def __init__(
         self, runner: ModelRunner, chunks: list[ChunkInput], live: list[int], control: StepControl

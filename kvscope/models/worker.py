@@ -3,7 +3,7 @@ never shares a GIL with the model (vLLM v1 splits its API server from its engine
 the same way; DESIGN section 1, "where the forward runs").
 
 `ProcessRunner` has `ModelRunner`'s interface (`execute(step, control)`,
-`new_control(dropped)`), so the step actor does not know which one it drives; it still
+`new_control()`), so the step actor does not know which one it drives; it still
 calls `execute` from a worker thread, which here only waits on a pipe.
 
 What is shared, and how:
@@ -14,9 +14,9 @@ What is shared, and how:
   "cancelled": the loop writes them (`SharedStepControl`) and the worker's checkpoints
   read them, with no message in between;
 * per step the parent sends the frozen `StepInput` (the chunks' `torch.Generator`s go
-  pickled with their state) and receives, in order: a `("dropped", chunks)` note for
-  each checkpoint that left cancelled rows out (so their blocks are released at once),
-  then `("done", tokens, generator states)`, `("aborted",)` or `("error", text)`;
+  pickled with their state) and receives `("done", tokens, generator states)`,
+  `("aborted",)` or `("error", text)` (a cancelled chunk's blocks were freed by the
+  loop when it set the flag; the worker's checkpoint only drops its rows);
 * a guided row's grammar state stays in the parent: its step thread computes the
   row's token mask before sending the step (`MaskOnly` carries it), and tells the
   grammar the token drawn when the step is done.
@@ -33,7 +33,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -91,8 +90,8 @@ class SharedStepControl(StepControl):
     """(parent) A `StepControl` whose abort flag and cancelled chunks are also written
     to the shared control block the worker reads."""
 
-    def __init__(self, flags: np.ndarray, dropped: Callable[[list[int]], None]) -> None:
-        super().__init__(dropped)
+    def __init__(self, flags: np.ndarray) -> None:
+        super().__init__()
         self._flags = flags
         self.abort = SharedFlag(flags, 0)  # type: ignore[assignment]
 
@@ -137,11 +136,10 @@ def _masks_for_worker(step: StepInput, vocab_size: int) -> tuple[StepInput, list
 class _WorkerControl:
     """(worker) What the runner's checkpoints read: the shared control block."""
 
-    def __init__(self, flags: np.ndarray, conn: Connection) -> None:
+    def __init__(self, flags: np.ndarray) -> None:
         self.abort = SharedFlag(flags, 0)
         self._chunks = flags[1:]
         self._taken: set[int] = set()
-        self._conn = conn
 
     def reset(self) -> None:
         self._taken.clear()
@@ -154,7 +152,7 @@ class _WorkerControl:
         return marked
 
     def dropped(self, chunks: list[int]) -> None:
-        self._conn.send(("dropped", chunks))
+        """The parent freed their blocks when it set the flags; nothing to tell it."""
 
 
 def worker_main(
@@ -176,7 +174,7 @@ def worker_main(
             spec.model, device=torch.device(spec.device), dtype=spec.dtype, seed=spec.seed
         )
         runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
-        control = _WorkerControl(flags.numpy(), conn)
+        control = _WorkerControl(flags.numpy())
     except Exception as exc:
         conn.send(("failed", f"{exc!r}"))
         return
@@ -227,8 +225,8 @@ class ProcessRunner:
         process = self._process
         return process.pid if process is not None and self._conn is not None else None
 
-    def new_control(self, dropped: Callable[[list[int]], None]) -> StepControl:
-        return SharedStepControl(self._flags.numpy(), dropped)
+    def new_control(self) -> StepControl:
+        return SharedStepControl(self._flags.numpy())
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         with self._lock:
@@ -303,10 +301,7 @@ class ProcessRunner:
         while True:
             message = self._conn.recv()
             kind = message[0]
-            if kind == "dropped":
-                if control is not None:
-                    control.dropped(message[1])
-            elif kind == "done":
+            if kind == "done":
                 _, tokens, states = message
                 for chunk, state in zip(step.chunks, states, strict=True):
                     if chunk.generator is not None and state is not None:

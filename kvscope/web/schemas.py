@@ -151,7 +151,7 @@ class CancelReportView(BaseModel):
     tokens_generated: int
     blocks_released: int
     release_seconds: float | None
-    waited_for_step: bool
+    in_running_step: bool
 
 
 class ErrorDetail(BaseModel):

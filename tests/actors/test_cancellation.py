@@ -39,7 +39,7 @@ async def test_cancel_by_id_while_queued():
         report = await engine.cancel(queued.id, reason="user", by="tester")
         assert report.found and report.status == "queued"
         assert report.blocks_released == 0 and report.tokens_generated == 0
-        assert report.release_seconds is not None and not report.waited_for_step
+        assert report.release_seconds is not None and not report.in_running_step
         assert_cancelled(engine, queued.id, "user")
         assert engine.get(queued.id).cancelled_by == "tester"
         assert (await queued.wait()).finish_reason == "cancelled"
@@ -53,20 +53,15 @@ async def test_cancel_by_id_during_a_prefill_chunk():
         gate = StepGate(engine)  # the next prefill chunk is held in flight
         await gate.wait_entered()
         assert job.id in engine.step_statistics().in_flight
-        async with anyio.create_task_group() as tg:
-            reports = []
-
-            async def cancel() -> None:
-                reports.append(await engine.cancel(job.id))
-
-            tg.start_soon(cancel)
-            await wait_for(lambda: engine.step_statistics().abort_requested)
-            gate.open()
-        (report,) = reports
+        # The cancel answers while the forward is still held: it never waits for it.
+        report = await engine.cancel(job.id)
         assert report.status == "running" and report.tokens_generated == 0
-        assert report.blocks_released >= 1 and report.waited_for_step
-        assert_cancelled(engine, job.id, "user")
+        assert report.blocks_released >= 1 and report.in_running_step
         assert engine.stats()["kv_blocks_in_use"] == 0
+        assert engine.step_statistics().abort_requested  # nobody else is in the step
+        gate.open()
+        await wait_for(lambda: engine.step_statistics().aborted_steps == 1)
+        assert_cancelled(engine, job.id, "user")
 
 
 async def test_cancel_by_id_during_decode():
@@ -85,31 +80,27 @@ async def test_cancel_by_id_during_decode():
         assert result.finish_reason == "cancelled" and len(result.token_ids) >= 3
 
 
-async def test_cancel_during_a_running_step_frees_blocks_when_the_step_unpins_and_aborts_it():
+async def test_cancel_during_a_running_step_frees_blocks_at_once_and_aborts_the_step():
     async with open_engine() as engine:
         job = await engine.submit("in flight", **LONG)
         await wait_for(lambda: job.info().tokens_generated >= 1)
         gate = StepGate(engine)
         await gate.wait_entered()
         assert engine.step_statistics().in_flight == (job.id,)
-        held = engine.stats()["kv_blocks_in_use"]
-        assert held > 0
-        async with anyio.create_task_group() as tg:
-            reports = []
-
-            async def cancel() -> None:
-                reports.append(await engine.cancel(job.id))
-
-            tg.start_soon(cancel)
-            # The cleanup began, but the step still pins the blocks, and the step is
-            # told to abort because nobody is left in it.
-            await wait_for(lambda: engine.step_statistics().abort_requested)
-            assert engine.get(job.id).status == "cancelled"
-            assert engine.stats()["kv_blocks_in_use"] == held
-            assert audit_lines(engine, job.id) == []  # not released yet
-            gate.open()
-        (report,) = reports
-        assert report.waited_for_step
+        assert engine.stats()["kv_blocks_in_use"] > 0
+        report = await engine.cancel(job.id)
+        # Released and audited while the forward is still held, and the step is told
+        # to abort because nobody is left in it.
+        assert report.in_running_step and report.blocks_released > 0
+        assert engine.stats()["kv_blocks_in_use"] == 0
+        assert len(audit_lines(engine, job.id)) == 1
+        assert engine.step_statistics().abort_requested
+        # The freed blocks are not handed out while the forward may still write them:
+        # a request submitted now waits for the held step to end.
+        later = await engine.submit("submitted while the step is held", max_tokens=4)
+        assert later.info().status == "queued"
+        gate.open()
+        assert (await later.wait()).finish_reason in ("length", "stop")
         assert engine.step_statistics().aborted_steps == 1
         assert engine.stats()["kv_blocks_in_use"] == 0
         assert_cancelled(engine, job.id, "user")
@@ -249,7 +240,7 @@ async def test_other_requests_are_untouched_by_cancels_around_them():
         assert [r.token_ids for r in results] == [a.token_ids for a in alone]
 
 
-async def test_a_request_cancelled_mid_step_leaves_the_batch_at_the_next_layer():
+async def test_a_request_cancelled_mid_step_is_released_before_the_step_ends_and_others_keep_their_tokens():
     async with open_engine() as engine:
         prompt = "survivor of a shared step"
         alone = await engine.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True)
@@ -262,21 +253,12 @@ async def test_a_request_cancelled_mid_step_leaves_the_batch_at_the_next_layer()
         await gate.wait_entered()
         steps.clear()  # from here on, the first step reported is the gated one
         assert {victim.id, survivor.id} <= set(engine.step_statistics().in_flight)
-        reports = []
-        async with anyio.create_task_group() as tg:
-
-            async def cancel() -> None:
-                called = time.perf_counter()
-                report = await engine.cancel(victim.id)
-                reports.append((called, report))
-
-            tg.start_soon(cancel)
-            await wait_for(lambda: engine.get(victim.id).status == "cancelled")
-            # the survivor still wants this step
-            assert not engine.step_statistics().abort_requested
-            gate.open()
-        ((called, report),) = reports
-        assert report.waited_for_step and report.blocks_released > 0
+        called = time.perf_counter()
+        report = await engine.cancel(victim.id)
+        # the survivor still wants this step
+        assert not engine.step_statistics().abort_requested
+        gate.open()
+        assert report.in_running_step and report.blocks_released > 0
         await wait_for(lambda: len(steps) >= 1)
         started, seconds = steps[0]
         assert report.release_seconds is not None

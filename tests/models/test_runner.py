@@ -42,7 +42,7 @@ class CancelAtLayer(StepControl):
     """Cancels `chunk` just before checkpoint `layer`, as the event loop would."""
 
     def __init__(self, chunk: int, layer: int) -> None:
-        super().__init__(dropped=self.record)
+        super().__init__()
         self.chunk, self.layer, self.calls = chunk, layer, 0
         self.handed_back: list[list[int]] = []
 
@@ -52,7 +52,7 @@ class CancelAtLayer(StepControl):
         self.calls += 1
         return super().take_cancelled()
 
-    def record(self, chunk_ids: list[int]) -> None:
+    def dropped(self, chunk_ids: list[int]) -> None:
         self.handed_back.append(chunk_ids)
 
 

@@ -4,7 +4,8 @@
 (`keep`), cancel it with `DELETE /requests/{id}` once `after_tokens` tokens arrived
 plus a random jitter (`delete`), or close the stream then instead (`disconnect`).
 `run_stream` carries a plan out against `POST /generate` with `"stream": true` on the
-light `aiohttp` client, recording every token's arrival, the DELETE's send and answer
+light `aiohttp` client (the DELETE on `RawHttp`, whose own time is not part of the
+round trip it measures), recording every token's arrival, the DELETE's send and answer
 (client clock and wall clock, to line up with the audit log) and its CancelReport, or
 the moment the stream was closed. `poll_stats` samples `GET /stats` until told to stop.
 """
@@ -19,6 +20,7 @@ import aiohttp
 import anyio
 import attrs
 
+from ..core.http import RawHttp
 from .records import StreamRecord
 
 
@@ -32,7 +34,7 @@ class Plan:
 
 
 async def run_stream(
-    session: aiohttp.ClientSession, plan: Plan, max_tokens: int, origin: float
+    session: aiohttp.ClientSession, control: RawHttp, plan: Plan, max_tokens: int, origin: float
 ) -> StreamRecord:
     rec = StreamRecord(index=plan.index, action=plan.action, start=time.perf_counter())
     body = {
@@ -68,18 +70,18 @@ async def run_stream(
                     rec.closed_wall = time.time()
                     response.close()  # drops the connection: the server sees a disconnect
                     break
-                await delete(session, rec)
+                await delete(control, rec)
     return rec
 
 
-async def delete(session: aiohttp.ClientSession, rec: StreamRecord) -> None:
+async def delete(control: RawHttp, rec: StreamRecord) -> None:
     """`DELETE /requests/{id}`, timed by the client's clock and by the wall clock."""
     rec.delete_sent_wall, sent = time.time(), time.perf_counter()
-    async with session.delete(f"/requests/{rec.id}") as reply:
-        text = await reply.read()
+    reply = await control.request("DELETE", f"/requests/{rec.id}")
     rec.delete_rtt = time.perf_counter() - sent
     rec.delete_reply_wall = time.time()
     rec.delete_status = reply.status
+    text = reply.body
     try:
         report = json.loads(text)
     except ValueError:

@@ -2,7 +2,7 @@
 
 Sources: the client's clock (DELETE round trip, TTFT, inter-token gaps), the client's
 wall clock (when a DELETE was sent and answered, when a stream was closed), the
-CancelReport each DELETE returned (`release_seconds`, `waited_for_step`), the server's
+CancelReport each DELETE returned (`release_seconds`, `in_running_step`), the server's
 audit log (the `cancelled` and `released` wall times of every request, so also of the
 ones cancelled by a disconnect), `/metrics` (the event-loop lag histogram over the run)
 and `/stats` (KV blocks over time, and after the run).
@@ -131,7 +131,7 @@ def delete_hops(deletes: list[StreamRecord], audit: dict[str, dict[str, Any]]) -
         "delete_sent_to_cancelled_ms": ms(sent_to_cancelled),
         "cancel_to_release_ms_report": ms(release),
         "released_to_reply_ms": ms(released_to_reply),
-        "cancels_waited_for_step": sum(1 for x in reports if x.get("waited_for_step")),
+        "cancels_waited_for_step": sum(1 for x in reports if x.get("in_running_step")),
         "cancel_reports": len(reports),
         "blocks_released_per_cancel": summary([x.get("blocks_released", 0) for x in reports]).mean,
     }

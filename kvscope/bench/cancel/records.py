@@ -132,6 +132,8 @@ class CancelRun(Record):
     cancel_to_release_ms_report: Summary
     #: The audit log's `released - cancelled`, for every cancel (disconnects too).
     cancel_to_release_ms_audit: Summary
+    #: Cancels whose request was in the running step (the CancelReport's
+    #: `in_running_step`; `waited_for_step` before the release stopped waiting for it).
     cancels_waited_for_step: int
     cancel_reports: int
     blocks_released_per_cancel: float | None

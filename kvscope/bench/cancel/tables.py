@@ -55,7 +55,7 @@ def _hop_table(run: CancelRun) -> list[str]:
     headers = ["hop (ms)", "p50", "p99", "max", "n", "target (issue 10), met"]
     notes = (
         f"DELETE status {run.delete_status}; {run.cancels_waited_for_step} of "
-        f"{run.cancel_reports} cancels waited for a running step; one step ~ "
+        f"{run.cancel_reports} cancels found their request in the running step; one step ~ "
         f"{fmt(run.step_ms_baseline_itl_p50)} ms; disconnect reasons "
         f"{run.disconnect_cancel_reasons}; loop lag has bucket resolution"
     )
