@@ -29,7 +29,8 @@ class _Cursor:
     def take(self, state: RequestState) -> Delta | None:
         """The next delta, or None if there is none yet (or, once ended, any more)."""
         if state.folded:  # the per-token log is gone: the rest in one delta
-            delta = Delta(state.text[self.chars :], tuple(state.token_ids[self.tokens :]))
+            kept = tuple(state.logprobs[self.tokens :]) if state.logprobs is not None else ()
+            delta = Delta(state.text[self.chars :], tuple(state.token_ids[self.tokens :]), kept)
             if not delta.text and not delta.token_ids:
                 return None
         elif self.index < len(state.log):

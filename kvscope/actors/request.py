@@ -275,6 +275,12 @@ class RequestState:
             self.log.append(Delta(new_text, token_ids, kept))
             self._notify()
 
+    def take_waiters(self) -> list[anyio.Event]:
+        """The events its readers wait on, for a caller that sets them itself (the step
+        actor spreads them over `ReaderWakeups`); a delta meanwhile wakes nobody."""
+        taken, self._waiters = self._waiters, []
+        return taken
+
     def _notify(self) -> None:
         if self._waiters:
             for waiter in self._waiters:

@@ -16,7 +16,9 @@ returns: the cancel never waits for the forward. That is safe because blocks are
 handed out only by `Scheduler.schedule`, which this actor calls between steps, never
 while a forward runs: the pool is fenced for the step (`BlockPool.fence`), like a
 device allocator whose frees are ordered before the next kernel that could reuse the
-memory. Idle, the actor sleeps on a wake-up event.
+memory. Idle, the actor sleeps on a wake-up event. The readers of a step's tokens are
+woken a group at a time by `ReaderWakeups`, a task of its own, while the next forward
+runs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvscope.models.worker import ProcessRunner
 from .messages import StepStatistics
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
+from .wakeups import ReaderWakeups
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class StepActor:
         self.debug = debug
         self.control = runner.new_control()
         self._wakeup = anyio.Event()
+        self.readers = ReaderWakeups()
         # The running step, by chunk: its sequences and the blocks pinned for each
         # (None once unpinned; empty between steps).
         self._in_flight: list[Sequence] = []
@@ -100,13 +104,20 @@ class StepActor:
             preemptions=self.preemptions,
             # the requests the running step still serves (not those that left it)
             in_flight=tuple(
-                seq.id for seq, pins in zip(self._in_flight, self._pins) if pins is not None
+                seq.id
+                for seq, pins in zip(self._in_flight, self._pins, strict=True)
+                if pins is not None
             ),
             abort_requested=self.control.abort.is_set(),
         )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.readers.run)
+            task_status.started()
+            await self._steps()
+
+    async def _steps(self) -> None:
         while True:
             step = self.scheduler.schedule() if self.scheduler.has_work() else None
             if step is not None:
@@ -114,6 +125,10 @@ class StepActor:
             live = [(seq, n) for seq, n in step.chunks if not seq.skippable()] if step else []
             if live:
                 await self._run_step(live, step)  # type: ignore[arg-type]
+                # What became ready during the step (a DELETE, the first readers'
+                # wake-up) runs before the next step is formed: the step's own work on
+                # the loop is cut in two, neither half long.
+                await anyio.lowlevel.checkpoint()
                 continue
             if step is not None and step.preempted:
                 await anyio.lowlevel.checkpoint()
@@ -165,10 +180,13 @@ class StepActor:
         tokens: list[Sampled | None] | None,
         failure: BaseException | None,
     ) -> None:
-        """Hand each request still live its token, or the step's failure."""
+        """Hand each request still live its token, or the step's failure; their readers
+        wake a group at a time (`ReaderWakeups`) while the next forward runs."""
+        waiters: list[anyio.Event] = []
         for index, (seq, num_new) in enumerate(live):
             if seq.skippable():
                 continue
+            waiters += seq.owner.take_waiters()
             if failure is not None:
                 seq.owner.finish_generation("error", error=f"model step failed: {failure!r}")
             elif tokens is not None:
@@ -176,6 +194,7 @@ class StepActor:
                 token = tokens[index]
                 if token is not None:
                     seq.owner.deliver(token.token, token.logprobs)
+        self.readers.wake(waiters)
 
     def _execute(self, work: StepInput) -> list[Sampled | None]:
         """(model thread) Run one step's forward and sampling."""

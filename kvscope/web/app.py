@@ -4,7 +4,8 @@
 WebSocket, OpenAI-compatible, observability, dashboard), the JSON error handlers, API
 keys, quart-schema's OpenAPI document at `/openapi.json`, and the body size cap; the
 `BodyGuard` in front of it refuses an unauthenticated or oversized request from its
-headers alone, before any of its body is read. The
+headers alone, before any of its body is read, and `CancelPath` behind the guard
+answers `DELETE /requests/{id}` without Quart. The
 app does not own the engine: `server.Server` opens the engine, then serves this app on
 hypercorn inside it, so the engine outlives every connection.
 """
@@ -18,6 +19,7 @@ from quart_trio import QuartTrio
 from kvscope import Engine
 
 from . import auth, dashboard, errors, jobs, observability, openai, streaming, websocket
+from .cancel_path import CancelPath
 from .context import ServerContext
 from .guard import BodyGuard
 from .metrics import Metrics
@@ -55,7 +57,8 @@ def create_app(
     errors.register(app, retry_after=settings.retry_after)
     auth.register(app)  # the key first; then the body (the guard saw its size)
     app.before_request(_read_body_first)
-    app.asgi_app = BodyGuard(app.asgi_app, settings)  # type: ignore[method-assign]
+    context = app.extensions["kvscope"]
+    app.asgi_app = BodyGuard(CancelPath(app.asgi_app, context), settings)  # type: ignore[method-assign]
     for module in (jobs, streaming, websocket, openai, observability, dashboard):
         app.register_blueprint(module.blueprint)
     return app

@@ -53,9 +53,15 @@ def current_owner() -> str | None:
 
 def visible(info: RequestInfo | None) -> bool:
     """Whether the current caller may see (and cancel) this request."""
+    return visible_to(info, current_owner(), server().settings.api_keys)
+
+
+def visible_to(info: RequestInfo | None, owner: str | None, keys: dict[str, str]) -> bool:
+    """Whether the key `owner` may see (and cancel) this request: any caller may without
+    keys, else only the key that made it."""
     if info is None:
         return False
-    return not server().settings.api_keys or info.owner == current_owner()
+    return not keys or info.owner == owner
 
 
 def register(app: Quart) -> None:

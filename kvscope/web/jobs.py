@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Blueprint, Response, jsonify
+from quart import Blueprint, jsonify
 from quart_schema import document_request, document_response
 
-from .auth import current_owner, visible
+from .auth import current_owner, visible, visible_to
 from .bodies import read_body
-from .context import server
+from .context import ServerContext, server
 from .errors import ApiError
 from .events import request_events
 from .schemas import (
@@ -84,26 +84,28 @@ async def get_request(request_id: str) -> Any:
 async def cancel_request(request_id: str) -> Any:
     """Cancel a live request and its children: 200 with what was freed; 409 with its
     final status if it and all its children had already ended; 404 if unknown."""
-    ctx = server()
-    if not visible(ctx.engine.get(request_id)):
+    status, body = await cancel_answer(server(), request_id, current_owner())
+    return jsonify(body), status
+
+
+async def cancel_answer(
+    ctx: ServerContext, request_id: str, owner: str | None
+) -> tuple[int, dict[str, Any]]:
+    """`DELETE /requests/{id}` for the key `owner`: the status and the JSON body (the
+    rule in one place: this route and `cancel_path.CancelPath` both answer with it).
+    Raises `ApiError(404)` for an id the key cannot see."""
+    if not visible_to(ctx.engine.get(request_id), owner, ctx.settings.api_keys):
         raise ApiError(404, f"no request {request_id!r}", "not_found_error")
-    report = await ctx.engine.cancel(request_id, reason="user", by=current_owner() or "api")
+    report = await ctx.engine.cancel(request_id, reason="user", by=owner or "api")
     if not report.found:
         raise ApiError(404, f"no request {request_id!r}", "not_found_error")
     if report.status not in ("queued", "running") and not report.cancelled_children:
-        return _conflict(request_id, report.status)  # ended, and nothing of it was live
-    return report.as_dict()
-
-
-def _conflict(request_id: str, status: str) -> Response:
-    response = jsonify(
-        {
+        # ended, and nothing of it was live
+        return 409, {
             "error": {
-                "message": f"request {request_id!r} has already ended ({status})",
+                "message": f"request {request_id!r} has already ended ({report.status})",
                 "type": "conflict_error",
-                "status": status,
+                "status": report.status,
             }
         }
-    )
-    response.status_code = 409
-    return response
+    return 200, report.as_dict()

@@ -42,3 +42,16 @@ async def test_the_history_is_bounded_by_count():
         results = [await engine.generate(f"r{i}", max_tokens=2) for i in range(5)]
         assert [engine.get(r.id) is not None for r in results] == [False] * 2 + [True] * 3
         assert engine.stats()["history"] == 3
+
+
+async def test_a_reader_behind_a_folded_request_still_gets_every_logprob():
+    async with open_engine(finished_history_bytes=40_000) as engine:
+        job = await engine.submit("watched with logprobs", logprobs=2, **RUN)
+        reader = aiter(engine.watch(job.id))
+        first = await anext(reader)  # one delta now, the rest once it was folded
+        result = await job.wait()
+        for i in range(10):  # push it out of the per-token history
+            await engine.generate(f"request {i}", **RUN)
+        rest = [delta async for delta in reader]
+        read = list(first.logprobs) + [lp for delta in rest for lp in delta.logprobs]
+        assert result.logprobs is not None and read == list(result.logprobs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+
 from .conftest import LONG, Live, wait_clean, wait_status, wait_tokens
 
 
@@ -72,6 +74,34 @@ def test_delete_unknown_and_finished(live: Live) -> None:
             "type": "conflict_error",
             "status": "finished",
         }
+
+
+def test_delete_answers_alike_with_and_without_a_body(live: Live) -> None:
+    """A bodiless DELETE is answered below Quart (`CancelPath`), one with a body by the
+    Quart route; both apply one rule, so every answer is the same."""
+
+    def both(client: httpx.Client, request_id: str) -> list[tuple[int, dict]]:
+        answers = []
+        for content in (None, b"{}"):
+            response = client.request("DELETE", f"/requests/{request_id}", content=content)
+            assert response.headers["content-type"] == "application/json"
+            answers.append((response.status_code, response.json()))
+        return answers
+
+    with live.client() as client:
+        (missing, missing_too) = both(client, "req-nope")
+        assert missing == missing_too and missing[0] == 404
+        job = client.post("/generate", json={"prompt": "cancel me twice", **LONG}).json()
+        wait_tokens(client, job["id"])
+        (cancelled, ended) = both(client, job["id"])
+        assert cancelled[0] == 200 and cancelled[1]["status"] == "running"
+        assert ended[0] == 409 and ended[1]["error"]["status"] == "cancelled"
+        assert both(client, job["id"]) == [ended, ended]
+        other = client.post("/generate", json={"prompt": "cancel me with a body", **LONG}).json()
+        wait_tokens(client, other["id"])
+        response = client.request("DELETE", f"/requests/{other['id']}", content=b"{}")
+        assert response.status_code == 200 and set(response.json()) == set(cancelled[1])
+    wait_clean(live)
 
 
 def test_delete_cancels_children(live: Live) -> None:

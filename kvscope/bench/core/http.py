@@ -108,10 +108,17 @@ class RawHttp:
         self._idle: list[SocketStream] = []
 
     async def request(self, method: str, path: str) -> RawReply:
-        stream = self._idle.pop() if self._idle else await anyio.connect_tcp(self.host, self.port)
+        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Length: 0\r\n\r\n"
+        while self._idle:  # a kept-alive socket the server may have closed meanwhile
+            try:
+                return await self._exchange(self._idle.pop(), head.encode())
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                continue
+        return await self._exchange(await anyio.connect_tcp(self.host, self.port), head.encode())
+
+    async def _exchange(self, stream: SocketStream, head: bytes) -> RawReply:
         try:
-            head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Length: 0\r\n\r\n"
-            await stream.send(head.encode())
+            await stream.send(head)
             reply, keep = await _read_reply(stream)
         except BaseException:
             await stream.aclose()
