@@ -20,7 +20,6 @@ import gc
 import logging
 import signal
 import socket
-import sys
 from typing import Any
 
 import anyio
@@ -33,9 +32,6 @@ from .app import create_app
 from .context import ServerContext
 from .metrics import Metrics
 from .settings import ServerSettings
-
-#: The GIL switch interval while serving (seconds; Python's default is 0.005).
-LOOP_SWITCH_INTERVAL = 0.001
 
 log = logging.getLogger("kvscope.web")
 
@@ -100,10 +96,6 @@ class Server:
             # server: keep it out of the cyclic collector's full passes, which grow
             # with the heap and stall the event loop (seen: 100-300 ms in a big heap).
             gc.freeze()
-            # A thread that holds the GIL (the forward's Python between its kernels, a
-            # step's pickling) keeps the event loop waiting until it lets go or the
-            # switch interval forces it: 1 ms, not Python's 5, bounds that wait.
-            sys.setswitchinterval(LOOP_SWITCH_INTERVAL)
             ctx: ServerContext = app.extensions["kvscope"]
             async with anyio.create_task_group() as tg:
                 tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
