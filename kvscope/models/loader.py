@@ -167,6 +167,10 @@ def tiny_random(*, device: torch.device, dtype: torch.dtype, seed: int = 0) -> L
 #: Show a progress bar when the weights total at least this many bytes (or are sharded).
 PROGRESS_BYTES = 256 * 2**20
 
+#: The sampling fields a checkpoint's generation_config.json gives defaults for: they
+#: fill in what a request leaves unset, on every route.
+GENERATION_DEFAULTED = ("temperature", "top_p", "top_k")
+
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
@@ -350,9 +354,7 @@ def load_checkpoint(
             unused[0],
         )
     model = LlamaModel(config, weights, dtype=torch_dtype, device=device)
-    defaults: dict[str, Any] = {
-        k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation
-    }
+    defaults: dict[str, Any] = {k: generation[k] for k in GENERATION_DEFAULTED if k in generation}
     return LoadedModel(
         name=name or directory.name,
         model=model,

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
 from .schemas import bounded_field, sampling_field
@@ -103,12 +104,17 @@ class OpenAISampling(BaseModel):
     service_tier: str | None = None
 
     def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i)."""
+        """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i).
+        A field with a checkpoint generation default (`generation_config.json`) goes only
+        if the client set it, so the engine fills it from the checkpoint otherwise, as
+        vLLM and the native routes do."""
         params: dict[str, Any] = {
             "max_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
+            **{
+                name: getattr(self, name)
+                for name in GENERATION_DEFAULTED
+                if name in self.model_fields_set
+            },
             "ignore_eos": self.ignore_eos,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,

@@ -280,3 +280,13 @@ def test_the_generation_defaults_apply_over_http_too(
         # Unset, the temperature is the checkpoint's 0: greedy, whatever the seed.
         assert [tokens({"seed": seed}) for seed in (1, 2)] == [greedy, greedy]
         assert tokens({"temperature": 1.5, "seed": 1}) != greedy  # a given value wins
+
+        def completion(extra: dict[str, Any]) -> str:
+            response = client.post("/v1/completions", json={**body, **extra})
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+
+        # The OpenAI route too: unset, greedy whatever the seed; given, the value wins.
+        openai_greedy = completion({"temperature": 0})
+        assert [completion({"seed": seed}) for seed in (1, 2)] == [openai_greedy] * 2
+        assert completion({"temperature": 1.5, "seed": 1}) != openai_greedy
