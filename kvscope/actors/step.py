@@ -113,7 +113,7 @@ class StepActor:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self.readers.run)
+            await tg.start(self.readers.run)
             task_status.started()
             await self._steps()
 

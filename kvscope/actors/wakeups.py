@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 import anyio
+from anyio.abc import TaskStatus
 
 #: Readers woken in one pass of the event loop.
 GROUP = 4
@@ -26,16 +27,23 @@ class ReaderWakeups:
     def __init__(self) -> None:
         self._queue: deque[anyio.Event] = deque()
         self._more = anyio.Event()
+        self._running = False
 
     def wake(self, events: list[anyio.Event]) -> None:
-        """Set these events from the next pass of the loop on, a group a pass."""
-        if events:
+        """Set these events from the next pass of the loop on, a group a pass (at once
+        if the task is not running: not started yet, or gone at shutdown)."""
+        if not self._running:
+            for event in events:
+                event.set()
+        elif events:
             self._queue.extend(events)
             self._more.set()
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The task that sets the events. On its way out (shutdown) it sets every one
         still queued, so no reader is left waiting."""
+        self._running = True
+        task_status.started()
         try:
             while True:
                 await self._more.wait()
@@ -45,5 +53,6 @@ class ReaderWakeups:
                         self._queue.popleft().set()
                     await anyio.lowlevel.checkpoint()  # the woken group runs, then the next
         finally:
+            self._running = False
             while self._queue:
                 self._queue.popleft().set()

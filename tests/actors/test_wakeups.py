@@ -21,7 +21,7 @@ async def test_readers_wake_a_group_a_pass():
     events = [anyio.Event() for _ in range(3 * GROUP + 1)]
     passes: list[int] = []  # how many were set each time this task got to run
     async with anyio.create_task_group() as tg:
-        tg.start_soon(wakeups.run)
+        await tg.start(wakeups.run)
         wakeups.wake(events)
         assert count_set(events) == 0  # none before the loop's next pass
         while count_set(events) < len(events):
@@ -34,14 +34,17 @@ async def test_readers_wake_a_group_a_pass():
     assert max(steps) <= 2 * GROUP and len(passes) >= 3
 
 
-async def test_shutdown_wakes_every_reader_still_queued():
+async def test_shutdown_wakes_every_reader_still_queued_and_later_ones_at_once():
     wakeups = ReaderWakeups()
     events = [anyio.Event() for _ in range(5 * GROUP)]
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        wakeups.wake(events)  # queued: the task is cancelled before it sets them
-        await wakeups.run()
+    async with anyio.create_task_group() as tg:
+        await tg.start(wakeups.run)
+        wakeups.wake(events)
+        tg.cancel_scope.cancel()  # before the task could set them all
     assert count_set(events) == len(events)
+    late = [anyio.Event() for _ in range(3)]
+    wakeups.wake(late)  # the task is gone (a step delivering during shutdown)
+    assert count_set(late) == len(late)
 
 
 async def test_readers_queued_behind_others_all_wake():
@@ -49,7 +52,7 @@ async def test_readers_queued_behind_others_all_wake():
     first = [anyio.Event() for _ in range(2 * GROUP)]
     second = [anyio.Event() for _ in range(3)]
     async with anyio.create_task_group() as tg:
-        tg.start_soon(wakeups.run)
+        await tg.start(wakeups.run)
         wakeups.wake(first)
         wakeups.wake(second)  # earlier ones still queued: these wait their turn
         assert count_set(second) == 0
