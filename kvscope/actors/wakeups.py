@@ -1,15 +1,18 @@
-"""Waking a step's readers a few at a time, so the event loop never stalls on them.
+"""Waking a step's readers a few at a time, so no pass of the event loop runs them all.
 
 A step hands every request in the batch its token at once; woken together, their 32
 readers (SSE and WebSocket streams, each formatting its event and writing it to its
 socket, ~0.1-0.2 ms here) would all run in one pass of the event loop, and a `DELETE`
-or a new request arriving meanwhile would wait the whole pass (measured: 4-7 ms of
-event-loop lag p99 at 32 streams). The step actor gives their wake-up events to
-`ReaderWakeups` instead, yields once (so a cancel that arrived meanwhile is seen) and
-launches the next forward; this task sets the events `GROUP` at a time with a
-checkpoint between groups, so anything else that is ready runs after at most one
-group, and the next forward starts before the readers run, not after them. The tokens are already delivered (the request's state holds them);
-only the readers' wake-up is spread.
+or a new request arriving meanwhile would wait the whole pass. The step actor gives
+their wake-up events to `ReaderWakeups` instead, yields once (so a cancel that arrived
+meanwhile is seen) and launches the next forward; this task sets the events `GROUP` at
+a time with a checkpoint between groups, so anything else that is ready runs after at
+most one group, and the next forward starts before the readers run, not after them.
+The tokens are already delivered (the request's state holds them); only the readers'
+wake-up is spread. Measured at 32 streams: the step actor's passes over 2 ms went from
+73 to 8 in 30 s; the event-loop lag p99 did not follow (~4 ms before and after), its
+long passes being GIL waits and scheduling on the two cores
+(docs/benchmarks/README.md, session 4).
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ What is shared, and how:
   read them, with no message in between;
 * per step the parent sends the frozen `StepInput` (the chunks' `torch.Generator`s as
   their states' bytes, `_state_as_bytes`) and receives `("done", tokens, generator
-  states)`,
-  `("aborted",)` or `("error", text)` (a cancelled chunk's blocks were freed by the
-  loop when it set the flag; the worker's checkpoint only drops its rows);
+  states)`, `("aborted",)` or `("error", text)` (a cancelled chunk's blocks were freed
+  by the loop when it set the flag; the worker's checkpoint only drops its rows);
 * a guided row's grammar state stays in the parent: its step thread computes the
   row's token mask before sending the step (`MaskOnly` carries it), and tells the
   grammar the token drawn when the step is done.

@@ -42,21 +42,32 @@ class CancelPath:
         if request_id is None:
             await self.app(scope, receive, send)
             return
+        extra: dict[str, str] = {}
         try:
             owner = key_of(_header(scope, b"authorization"), self.ctx.settings.api_keys)
             status, body = await cancel_answer(self.ctx, request_id, owner)
-        except ApiError as error:
+        except Exception as exc:
+            error = _api_error(exc, self.ctx.settings.retry_after, scope["path"])
             status, body = error.status, error_body(error.message, error.type)
-        except engine_errors.KvscopeError as error:
-            mapped = from_engine(error, retry_after=self.ctx.settings.retry_after)
-            status, body = mapped.status, error_body(mapped.message, mapped.type)
-        except Exception:
-            log.exception("unhandled error on DELETE %s", scope["path"])
-            status, body = 500, error_body("internal server error", "internal_error")
+            extra = error.headers
         data = dumps(body).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(data)),
+            *((name.lower().encode(), value.encode()) for name, value in extra.items()),
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def _api_error(exc: Exception, retry_after: int, path: str) -> ApiError:
+    """The answer to an exception, as the app's error handlers give it (`errors.py`)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, engine_errors.KvscopeError):
+        return from_engine(exc, retry_after=retry_after)
+    log.exception("unhandled error on DELETE %s", path)
+    return ApiError(500, "internal server error", "internal_error")
 
 
 def _cancelled_id(scope: dict[str, Any]) -> str | None:

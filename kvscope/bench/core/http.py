@@ -8,9 +8,9 @@ pointed at 127.0.0.1. aiohttp runs on asyncio only: the benchmarks drive it with
 `anyio.run`'s default backend.
 
 Requests whose round trip is itself the figure (`bench cancel`'s DELETE) go through
-`RawHttp` instead: HTTP/1.1 written and read by hand on kept-alive sockets, ~0.1 ms of
-client a request where aiohttp's request machinery takes ~0.8 ms on this machine, so
-the figure is the server's and not the client library's.
+`RawHttp` instead: HTTP/1.1 written and read by hand on kept-alive sockets, so the
+figure is the server's and not the client library's (against a raw asyncio server on
+this machine, a request took 1.06 ms p50 through aiohttp and 0.29 ms on a raw socket).
 """
 
 from __future__ import annotations
