@@ -25,6 +25,11 @@ def _keys(value: object) -> dict[str, str]:
     return {key_id(k): k for k in keys}
 
 
+#: Seconds between two samples of the event loop's lag (and of `bench cancel`'s
+#: wake-up floor beside it).
+LAG_INTERVAL = 0.05
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     host: str = "127.0.0.1"
@@ -40,6 +45,6 @@ class ServerSettings:
     #: Seconds shutdown waits for requests to end and streams to send their last event.
     graceful_timeout: float = attrs.field(default=5.0, validator=v.gt(0.0))
     #: Seconds between two event-loop lag samples of the monitor task.
-    lag_interval: float = attrs.field(default=0.05, validator=v.gt(0.0))
+    lag_interval: float = attrs.field(default=LAG_INTERVAL, validator=v.gt(0.0))
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))

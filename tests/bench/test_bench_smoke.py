@@ -159,6 +159,8 @@ def test_cancel_smoke(tmp_path: Path) -> None:
     assert f["client"]["library"] == "aiohttp"
     assert set(f["client"]["cpu_s"]) == {"with_cancels", "baseline"}
     assert f["checkpoint_gap"]["baseline"]["samples"] > 0  # every step counts its gaps
+    # The machine's wake-up floor, sampled beside the run with cancels.
+    assert f["wake_floor_ms"]["count"] > 0 and f["wake_floor_ms"]["p99"] is not None
     assert (
         f["leak_free"]
         and f["leaked"]["kv_blocks_in_use"] == 0

@@ -4,8 +4,9 @@
 (`keep`), cancel it with `DELETE /requests/{id}` once `after_tokens` tokens arrived
 plus a random jitter (`delete`), or close the stream then instead (`disconnect`).
 `run_stream` carries a plan out against `POST /generate` with `"stream": true` on the
-light `aiohttp` client (the DELETE on `RawHttp`, whose own time is not part of the
-round trip it measures), recording every token's arrival, the DELETE's send and answer
+light `aiohttp` client (the DELETE on `RawHttp`, whose own time, and the time its
+answer would wait for the streams' event loop, is not part of the round trip it
+measures), recording every token's arrival, the DELETE's send and answer
 (client clock and wall clock, to line up with the audit log) and its CancelReport, or
 the moment the stream was closed. `poll_stats` samples `GET /stats` until told to stop.
 """
@@ -75,11 +76,11 @@ async def run_stream(
 
 
 async def delete(control: RawHttp, rec: StreamRecord) -> None:
-    """`DELETE /requests/{id}`, timed by the client's clock and by the wall clock."""
-    rec.delete_sent_wall, sent = time.time(), time.perf_counter()
+    """`DELETE /requests/{id}`, timed by `RawHttp`'s thread, by its clock and by the
+    wall clock."""
     reply = await control.request("DELETE", f"/requests/{rec.id}")
-    rec.delete_rtt = time.perf_counter() - sent
-    rec.delete_reply_wall = time.time()
+    rec.delete_sent_wall, rec.delete_rtt = reply.sent_wall, reply.rtt
+    rec.delete_reply_wall = reply.sent_wall + reply.rtt
     rec.delete_status = reply.status
     text = reply.body
     try:

@@ -227,6 +227,7 @@ def figures(
         leak_free=left.none,
         targets={},
         client=client({"with_cancels": with_cancels, "baseline": baseline}, cores),
+        wake_floor_ms=ms(with_cancels.wake_floor),
     )
     return _with_targets(run)
 

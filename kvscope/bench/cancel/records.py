@@ -55,6 +55,8 @@ class RawRun:
     rounds: int = 1
     #: The forward's gaps between cancel checkpoints (`le` -> count) over the run.
     checkpoint_gap_buckets: dict[float, float] = attrs.Factory(dict)
+    #: How late a sleeping process woke beside the run (s; `core.wake_floor`).
+    wake_floor: list[float] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -159,6 +161,9 @@ class CancelRun(Record):
     #: Hop 4: the audit log's `released` stamp -> the DELETE's answer read (client wall).
     released_to_reply_ms: Summary | None = None
     client: Client | None = None
+    #: How late a sleeping process woke during the run with cancels: the machine's
+    #: floor under the server's loop lag and every wake-up of a hop.
+    wake_floor_ms: Summary | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -17,9 +17,11 @@ from typing import Any
 import aiohttp
 import anyio
 
+from ...web.settings import LAG_INTERVAL
 from ..core import prometheus
 from ..core.http import CpuClock, RawHttp, session
 from ..core.servers import Server
+from ..core.wake_floor import WakeFloor
 from ..core.workload import Deadline
 from .client import Plan, poll_stats, run_stream
 from .plans import make_plans
@@ -51,7 +53,7 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
             records.append(await run_stream(client, control, plan, args.max_tokens, origin))
 
         with anyio.fail_after(args.run_timeout):
-            async with anyio.create_task_group() as tg:
+            async with WakeFloor(LAG_INTERVAL) as floor, anyio.create_task_group() as tg:
                 tg.start_soon(poll_stats, client, args.stats_interval, origin, stop, timeline)
                 async with anyio.create_task_group() as streams:
                     for plan in plans:
@@ -67,6 +69,7 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
         loop_lag_buckets=lag,
         checkpoint_gap_buckets=gap,
         client_cpu_s=cpu,
+        wake_floor=floor.samples,
     )
 
 
@@ -137,5 +140,6 @@ def merge(parts: list[RawRun]) -> RawRun:
         loop_lag_buckets=lag,
         checkpoint_gap_buckets=gap,
         client_cpu_s=sum(p.client_cpu_s for p in parts),
+        wake_floor=[x for p in parts for x in p.wake_floor],
         rounds=len(parts),
     )

@@ -45,6 +45,17 @@ def _hop_rows(run: CancelRun) -> list[list[object]]:
         ["event-loop lag (server monitor)", lag.p50_ms, lag.p99_ms, None, lag.samples, lag_target]
     )
     rows.append(["   the same, baseline run", base.p50_ms, base.p99_ms, None, base.samples, ""])
+    if (floor := run.wake_floor_ms) is not None:
+        rows.append(
+            [
+                "machine floor: a sleeping process wakes late",
+                floor.p50,
+                floor.p99,
+                floor.max,
+                floor.count,
+                "",
+            ]
+        )
     if run.checkpoint_gap is not None:
         gap = run.checkpoint_gap["with_cancels"]
         rows.append(["checkpoint gap (forward)", gap.p50_ms, gap.p99_ms, None, gap.samples, ""])
