@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import anyio
 import torch
 
 from kvscope.kernels.sampling import TokenLogprobs
@@ -28,6 +29,8 @@ class SequenceOwner(Protocol):
     def deliver(self, token: int, logprobs: TokenLogprobs | None = None) -> None: ...
 
     def finish_generation(self, reason: str, error: str | None = None) -> None: ...
+
+    def take_waiters(self) -> list[anyio.Event]: ...
 
 
 class Sequence:

@@ -145,9 +145,10 @@ class StepActor:
         work = StepInput([self._chunk_input(seq, n) for seq, n in live], step.copies)
         copy_sources = [src for src, _ in step.copies]
         self.pool.acquire(copy_sources)
-        self._pins = [list(seq.block_table) for seq, _ in live]
-        for pins in self._pins:
+        pinned = [list(seq.block_table) for seq, _ in live]
+        for pins in pinned:
             self.pool.acquire(pins)
+        self._pins = list(pinned)
         self._in_flight = [seq for seq, _ in live]
         self.control.reset()
         tokens: list[Sampled | None] | None = None

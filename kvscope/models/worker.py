@@ -128,7 +128,10 @@ def _masks_for_worker(step: StepInput, vocab_size: int) -> tuple[StepInput, list
         if guide is None or not chunk.sample:
             continue
         guided.append((index, guide))
-        state = attrs.evolve(chunk.state, guide=MaskOnly(guide.allowed(vocab_size)))
+        assert chunk.state is not None  # it has a guide
+        # MaskOnly stands in for the grammar with what the forward uses (allowed, accept)
+        mask = MaskOnly(guide.allowed(vocab_size))
+        state = attrs.evolve(chunk.state, guide=mask)  # type: ignore[arg-type]
         chunks[index] = attrs.evolve(chunk, state=state)
     return (attrs.evolve(step, chunks=chunks) if guided else step), guided
 
@@ -279,8 +282,8 @@ class ProcessRunner:
                     f"the model worker (pid {pid}) died mid-step (exit code {code})"
                 ) from exc
             for index, guide in guided:
-                if sampled[index] is not None:
-                    guide.accept(sampled[index].token)
+                if (row := sampled[index]) is not None:
+                    guide.accept(row.token)
             return sampled
 
     def start(self) -> None:

@@ -62,7 +62,7 @@ def create_app(
     auth.register(app)  # the key first; then the body (the guard saw its size)
     app.before_request(_read_body_first)
     context = app.extensions["kvscope"]
-    app.asgi_app = BodyGuard(CancelPath(app.asgi_app, context), settings)  # type: ignore[method-assign]
+    app.asgi_app = BodyGuard(CancelPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
     for module in (jobs, streaming, websocket, openai, observability, dashboard):
         app.register_blueprint(module.blueprint)
     return app

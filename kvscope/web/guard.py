@@ -61,8 +61,14 @@ class BodyGuard:
 #: What sending raises once the client has gone. hypercorn on trio passes trio's own,
 #: and when a client hangs up mid-body hypercorn answers that with its own 400 on the
 #: same socket, so our send finds the socket busy.
-_GONE = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
-_GONE += (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError)
+_GONE: tuple[type[BaseException], ...] = (
+    OSError,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.BusyResourceError,
+)
 
 
 async def _send_error(send: Any, path: str, error: ApiError) -> None:

@@ -26,7 +26,7 @@ _DEFAULT: Any = object()
 def bounded_field(bound: Bound, default: Any, *, hi: float | None = None, **kwargs: Any) -> Any:
     """A pydantic `Field` constrained by `bound`; `hi` narrows its top (an API's own
     limit, such as OpenAI's temperature), never widens it."""
-    constraints = bound.constraints()
+    constraints: dict[str, Any] = bound.constraints()
     if hi is not None:
         if hi > bound.hi:
             raise ValueError(f"a schema may narrow a range, not widen it ({hi} > {bound.hi})")
