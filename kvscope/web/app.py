@@ -4,8 +4,8 @@
 WebSocket, OpenAI-compatible, observability, dashboard), the JSON error handlers, API
 keys, quart-schema's OpenAPI document at `/openapi.json`, and the body size cap; the
 `BodyGuard` in front of it refuses an unauthenticated or oversized request from its
-headers alone, before any of its body is read, and `CancelPath` behind the guard
-answers `DELETE /requests/{id}` without Quart. The
+headers alone, before any of its body is read, and `FastPath` behind the guard
+answers `DELETE /requests/{id}`, `GET /stats` and `GET /health` without Quart. The
 app does not own the engine: `server.Server` opens the engine, then serves this app on
 hypercorn inside it, so the engine outlives every connection.
 """
@@ -19,8 +19,8 @@ from quart_trio import QuartTrio
 from kvscope import Engine
 
 from . import auth, dashboard, errors, jobs, observability, openai, streaming, websocket
-from .cancel_path import CancelPath
 from .context import ServerContext
+from .fast_path import FastPath
 from .guard import BodyGuard
 from .metrics import Metrics
 from .settings import ServerSettings
@@ -62,7 +62,7 @@ def create_app(
     auth.register(app)  # the key first; then the body (the guard saw its size)
     app.before_request(_read_body_first)
     context = app.extensions["kvscope"]
-    app.asgi_app = BodyGuard(CancelPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
+    app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
     for module in (jobs, streaming, websocket, openai, observability, dashboard):
         app.register_blueprint(module.blueprint)
     return app

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Blueprint, Response
 from quart_schema import document_response
 
-from .context import server
+from .context import ServerContext, server
 from .schemas import Health, Stats
 
 blueprint = Blueprint("observability", __name__)
@@ -24,8 +24,14 @@ blueprint = Blueprint("observability", __name__)
 async def stats() -> Any:
     """KV blocks (total, free, in use, cached), running, waiting, live, and counts of
     finished, cancelled and failed requests."""
-    ctx = server()
-    return {**ctx.engine.stats(), **ctx.metrics.snapshot()}
+    status, body = stats_answer(server())
+    return body, status
+
+
+def stats_answer(ctx: ServerContext) -> tuple[int, dict[str, Any]]:
+    """`GET /stats`: the status and the JSON body (this route and `fast_path.FastPath`
+    both answer with it)."""
+    return 200, {**ctx.engine.stats(), **ctx.metrics.snapshot()}
 
 
 @blueprint.get("/metrics")
@@ -39,11 +45,17 @@ async def metrics() -> Response:
 @document_response(Health, 503)
 async def health() -> Any:
     """Liveness and readiness."""
-    ctx = server()
+    status, body = health_answer(server())
+    return body, status
+
+
+def health_answer(ctx: ServerContext) -> tuple[int, dict[str, Any]]:
+    """`GET /health`: the status and the JSON body (this route and `fast_path.FastPath`
+    both answer with it)."""
     ready = ctx.engine.accepting and not ctx.shutting_down.is_set()
     body = {
         "status": "ok" if ready else "shutting_down",
         "ready": ready,
         "model": ctx.engine.model_name,
     }
-    return body, 200 if ready else 503
+    return (200 if ready else 503), body

@@ -110,3 +110,21 @@ def test_json_answers_build_no_pydantic_adapter_per_response(
     assert [a.status_code for a in answers] == [200, 200, 404, 202, 200]
     assert all(a.headers["content-type"] == "application/json" for a in answers)
     assert built == []
+
+
+def test_stats_and_health_answer_alike_with_and_without_a_body(live: Live) -> None:
+    """A bodiless GET of /stats or /health is answered below Quart (`FastPath`), one
+    with a body by the Quart route; both apply one rule, so the answers agree."""
+    with live.client() as client:
+        answers = {
+            (path, content): client.request("GET", path, content=content)
+            for path in ("/stats", "/health")
+            for content in (None, b"{}")
+        }
+    for response in answers.values():
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/json"
+    assert answers["/health", None].json() == answers["/health", b"{}"].json()
+    fast, routed = answers["/stats", None].json(), answers["/stats", b"{}"].json()
+    assert set(fast) == set(routed) == set(Stats.model_json_schema()["properties"])
+    assert fast["kv_blocks_total"] == routed["kv_blocks_total"] > 0
