@@ -56,6 +56,7 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
             engine_config.seed,
             threads,
             engine_config.checkpoint_gap,
+            engine_config.worker_nice,
         )
     return build_parts(loaded, engine_config, torch_device, worker)
 

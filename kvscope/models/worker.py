@@ -67,6 +67,7 @@ class WorkerSpec:
     seed: int
     threads: int | None
     checkpoint_gap: float
+    nice: int = 0
 
 
 class SharedFlag:
@@ -206,6 +207,8 @@ def worker_main(
     # tqdm's default lock is a multiprocessing semaphore, which a killed worker would
     # leave registered with the resource tracker; a thread lock is all it needs here.
     tqdm.tqdm.set_lock(threading.RLock())
+    if spec.nice:
+        _nice_every_thread(spec.nice)  # before torch starts its threads, which inherit it
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
@@ -234,6 +237,19 @@ def worker_main(
             conn.send(("done", tokens, states))
     except (EOFError, OSError):
         pass  # the parent is gone: nothing to serve
+
+
+def _nice_every_thread(increment: int) -> None:
+    """Lower this process's priority by `increment`: Linux keeps a nice value per thread,
+    so the threads already running (one starts before `worker_main`) are set one by one;
+    the ones started later inherit it from their creator."""
+    value = os.nice(increment)
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return  # no /proc: this thread is niced, and what it starts
+    for thread in threads:
+        os.setpriority(os.PRIO_PROCESS, int(thread), value)
 
 
 class ProcessRunner:

@@ -118,3 +118,25 @@ async def test_structured_output_through_the_worker():
         out = await engine.generate("n", guided_regex="[0-9]{4}", max_tokens=10, temperature=0)
         assert len(out.text) == 4 and out.text.isdigit()
         assert engine.stats()["worker_restarts"] == 0
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The nice value of each thread of process `pid` (field 19 of its `stat`)."""
+    nices = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        nices.add(int(stat.rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
+@pytest.mark.parametrize("nice", [None, 0, 7])
+async def test_the_worker_runs_at_its_nice_value(nice: int | None):
+    """Every thread of the worker (torch's included) yields the CPU to the event loop by
+    `worker_nice` (10 unless given), relative to the engine's own process."""
+    options = {} if nice is None else {"worker_nice": nice}
+    async with open_engine(worker="process", model_threads=2, **options) as engine:
+        pid = await worker_ready(engine)
+        await engine.generate("spin the threads up", max_tokens=4, temperature=0)
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        expected = min(19, base + (10 if nice is None else nice))
+        assert thread_nices(pid) == {expected}
