@@ -81,8 +81,9 @@ class EngineConfig:
     #: The model worker process's nice value (0-19): where the model fills every core, a
     #: woken event loop then takes the CPU from the forward at once instead of waiting
     #: out its time slice (`bench cancel`, 2 model threads on 2 cores: the machine's
-    #: wake-up p99 3.8 -> 1.2-1.7 ms, the loop lag p99 7-8 -> 4.4-4.9 ms, the step's
-    #: length unchanged). 0 shares the CPU evenly with every other process.
+    #: wake-up p99 3.8 -> 0.75-1.45 ms, the loop lag p99 6.6-8.1 -> 4.7-4.9 ms). It costs
+    #: throughput there: 32 streams took 6 percent longer (15.5 against 14.5 s, 4 runs
+    #: each), the forward's threads being preempted more often. 0 shares the CPU evenly.
     worker_nice: int = attrs.field(default=10, validator=[v.ge(0), v.le(19)])
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0

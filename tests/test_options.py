@@ -27,6 +27,15 @@ def test_every_setting_is_an_option_with_its_default_and_help() -> None:
         assert defaults[field.name] == field.default, field.name
 
 
+def test_every_help_text_renders() -> None:
+    """argparse formats each help with `%`: a bare percent sign in a field's comment
+    would break `kvscope serve --help`."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--worker-nice WORKER_NICE" in text and "(default: 10)" in text
+
+
 def test_options_reach_the_config() -> None:
     kwargs = engine_kwargs(
         parse("--max-num-seqs", "7", "--watermark", "0.5", "--no-enable-prefix-caching", "--debug")
