@@ -249,7 +249,10 @@ def _nice_every_thread(increment: int) -> None:
     except OSError:
         return  # no /proc: this thread is niced, and what it starts
     for thread in threads:
-        os.setpriority(os.PRIO_PROCESS, int(thread), value)
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(thread), value)
+        except ProcessLookupError:
+            pass  # it ended since the listing
 
 
 class ProcessRunner:

@@ -65,3 +65,23 @@ def test_a_closed_idle_socket_is_replaced_and_each_trip_is_stamped(
     assert served == [1, 1, 1]
     for reply in replies:
         assert before <= reply.sent_wall <= time.time() and reply.rtt > 0
+
+
+def test_a_silent_server_fails_the_request_in_time() -> None:
+    """A server that accepts and never answers: the request fails after `timeout`
+    instead of holding the benchmark's run for good."""
+    listener = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody reads
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def one() -> None:
+        client = RawHttp(url, timeout=0.5)
+        try:
+            await client.request("DELETE", "/requests/x")
+        finally:
+            await client.aclose()
+
+    try:
+        with pytest.raises(TimeoutError):
+            anyio.run(one)
+    finally:
+        listener.close()

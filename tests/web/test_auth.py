@@ -44,7 +44,7 @@ def test_keys(backend: str, tmp_path: Path) -> None:
             assert beta.get(f"/requests/{job['id']}").status_code == 404
             assert beta.get(f"/requests/{job['id']}/events").status_code == 404
             assert beta.delete(f"/requests/{job['id']}").status_code == 404
-            # with a body, the Quart route answers instead of CancelPath: the same rule
+            # with a body, the Quart route answers instead of FastPath: the same rule
             with_body = beta.request("DELETE", f"/requests/{job['id']}", content=b"{}")
             assert with_body.status_code == 404
             assert (

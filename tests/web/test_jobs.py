@@ -77,7 +77,7 @@ def test_delete_unknown_and_finished(live: Live) -> None:
 
 
 def test_delete_answers_alike_with_and_without_a_body(live: Live) -> None:
-    """A bodiless DELETE is answered below Quart (`CancelPath`), one with a body by the
+    """A bodiless DELETE is answered below Quart (`FastPath`), one with a body by the
     Quart route; both apply one rule, so every answer is the same."""
 
     def both(client: httpx.Client, request_id: str) -> list[tuple[int, dict]]:

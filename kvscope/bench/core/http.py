@@ -113,18 +113,20 @@ class RawHttp:
     """Bodiless requests (`DELETE`, `GET`) on kept-alive blocking sockets, each on a
     worker thread (see the module docstring), read by hand: the answer must have a
     `content-length` (kvscope's and most JSON answers do). One socket per request in
-    flight; idle ones are reused."""
+    flight; idle ones are reused. A server silent for `timeout` s fails the request
+    (`TimeoutError`); a cancelled caller does not wait for the thread."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, timeout: float = 30.0) -> None:
         check_local(base_url)
         url = urlsplit(base_url)
         self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
+        self.timeout = timeout
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
     async def request(self, method: str, path: str) -> RawReply:
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Length: 0\r\n\r\n"
-        return await anyio.to_thread.run_sync(self._request, head.encode())
+        return await anyio.to_thread.run_sync(self._request, head.encode(), abandon_on_cancel=True)
 
     def _request(self, head: bytes) -> RawReply:
         while (sock := self._take_idle()) is not None:
@@ -132,7 +134,7 @@ class RawHttp:
                 return self._exchange(sock, head)
             except ConnectionError:
                 continue  # closed by the server while idle: the request never reached it
-        sock = socket.create_connection((self.host, self.port))
+        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self._exchange(sock, head)
 
