@@ -12,8 +12,10 @@ the rest with reason `shutdown`, wait until every stream sent its last event, cl
 What it adds in front of the Quart app, knowing it is one of several replicas:
 
 * an id in the path (`/requests/{id}`) that another replica generated reaches this one
-  only when that replica is gone (the router sends every other one to its owner), so it
-  answers 404 saying so, instead of the plain "no request";
+  only when Serve no longer routes to its owner (the router sends every other one
+  there): the owner is draining, and the call is forwarded to the owner's direct
+  address (`direct`), or the owner is gone, and the answer is a 404 saying so, instead
+  of the plain "no request";
 * `/stats`, `/metrics` and `GET /requests` gather every replica's own (`peers`),
   labelled by replica; `?replica=<name>` (or the `X-Kvscope-Replica` header) reads
   one replica;
@@ -38,6 +40,7 @@ from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Protocol
 
 import anyio
+from anyio.abc import TaskGroup
 
 from kvscope import Engine
 from kvscope.web.app import create_app
@@ -45,6 +48,7 @@ from kvscope.web.context import ServerContext, call_deadline
 from kvscope.web.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 
+from .direct import DirectListener
 from .ids import REPLICA_HEADER, routing_key
 from .merge import merge_metrics, merge_stats
 from .messages import (
@@ -57,6 +61,7 @@ from .messages import (
     is_forwarded,
     json_answer,
     parent_owner,
+    read_body,
     replay,
     replay_body,
 )
@@ -82,8 +87,20 @@ class Peers(Protocol):
         """Replica name -> the body of its own `GET path`, for every replica that answers."""
         ...
 
-    def forward(self, replica: str, scope: Message, body: bytes) -> AsyncGenerator[Message, None]:
-        """Make the HTTP call (`scope`, `body`) on `replica`; its ASGI messages as they come."""
+    def forward(
+        self, replica: str, scope: Message, body: bytes, via: str | None = None
+    ) -> AsyncGenerator[Message, None]:
+        """Make the HTTP call (`scope`, `body`) on `replica`; its ASGI messages as they
+        come. Through Serve, or `via` the replica's direct address; one that cannot be
+        reached raises `ConnectionError` before any message."""
+        ...
+
+    async def reach(self, replica: str) -> str | None:
+        """`replica`'s direct address (see `direct`), or None if it published none."""
+        ...
+
+    async def publish(self, replica: str, address: str | None) -> None:
+        """Publish this replica's direct address (None withdraws it)."""
         ...
 
     def connect(self, replica: str, scope: Message) -> AbstractAsyncContextManager[Any]:
@@ -99,8 +116,12 @@ class ReplicaApp:
         settings: ServerSettings,
         peers: Peers,
         request_timeout: float | None = None,
+        direct_host: str | None = None,
     ) -> None:
         self.replica = replica
+        #: Where this replica listens for calls that Serve no longer routes to it (the
+        #: node's address); None: no such listener.
+        self.direct_host = direct_host
         #: Serve's end-to-end timeout of an HTTP call (its `request_timeout_s`).
         self.request_timeout = request_timeout
         self.engine_kwargs = engine_kwargs
@@ -204,12 +225,16 @@ class ReplicaApp:
                     tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
                     tg.start_soon(self._drain_when_stopping)
                     self._app = app
+                    direct = await self._open_direct(tg)
                     log.info("replica %s serving (model %s)", self.replica, engine.model_name)
                     await send({"type": "lifespan.startup.complete"})
                     started = True
                     message = await receive()
                     assert message["type"] == "lifespan.shutdown", message
                     await self._drain()
+                    if direct is not None:
+                        await self.peers.publish(self.replica, None)
+                        direct.stop()
                     tg.cancel_scope.cancel()
                 await app.shutdown()
         except BaseException as exc:
@@ -219,6 +244,23 @@ class ReplicaApp:
         finally:
             self._app = None
         await send({"type": "lifespan.shutdown.complete"})
+
+    async def _open_direct(self, tg: TaskGroup) -> DirectListener | None:
+        """Serve this app on the replica's direct address too, and publish it."""
+        if self.direct_host is None:
+            return None
+        direct = DirectListener(self, self.direct_host, self.settings)
+        address = await tg.start(direct.run)
+        try:
+            await self.peers.publish(self.replica, address)
+        except Exception:  # serve all the same; only a drain's calls would miss it
+            log.exception(
+                "replica %s could not publish its direct address: while it drains, "
+                "calls for its requests will answer 404",
+                self.replica,
+            )
+        log.info("replica %s: direct address %s", self.replica, address)
+        return direct
 
     async def _drain_when_stopping(self) -> None:
         """Drain as soon as Serve begins stopping this replica, not after its own wait
@@ -256,6 +298,8 @@ class ReplicaApp:
         path, method = scope["path"], scope["method"]
         target = routing_key(path, scope.get("query_string", b""), scope.get("headers", ()))
         if path.startswith("/requests/") and target not in (None, self.replica):
+            if not is_forwarded(scope) and await self._forward_direct(target, scope, receive, send):
+                return True
             request_id = path.split("/")[2]
             message = (
                 f"no request {request_id!r}: it belongs to replica {target}, which is not "
@@ -303,14 +347,32 @@ class ReplicaApp:
             )
             await send({"type": "http.response.body", "body": text.encode()})
 
+    async def _forward_direct(
+        self, owner: str, scope: Message, receive: Receive, send: Send
+    ) -> bool:
+        """A call for `owner`'s request that Serve did not route there: `owner` is
+        draining (or gone). Forward it to `owner`'s direct address; False if `owner`
+        published none or cannot be reached (it is gone)."""
+        address = await self.peers.reach(owner)
+        if address is None:
+            return False
+        body = await read_body(receive)
+        if body is None:
+            return True  # the client left
+        try:
+            async with aclosing(self.peers.forward(owner, scope, body, via=address)) as messages:
+                async for message in messages:
+                    await send(message)
+        except ConnectionError as exc:
+            log.info("replica %s is gone (nothing at %s): %r", owner, address, exc)
+            await self.peers.publish(owner, None)  # it died without withdrawing it
+            return False
+        return True
+
     async def _forward_to_parent(self, scope: Message, receive: Receive, send: Send) -> bool:
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return True
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        body = await read_body(receive)
+        if body is None:
+            return True
         owner = parent_owner(body)
         forwarded = is_forwarded(scope)
         # A forwarded call runs here even if this is not (or no longer) the owner: the

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
 import httpx
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvscope.web.settings import ServerSettings
 
 from .asgi import ReplicaApp
+from .direct import Directory
 from .ids import REPLICA_HEADER, id_prefix
 from .messages import FORWARDED_HEADER, Message
 from .router import OwnerRouter
@@ -51,11 +54,20 @@ class ProxyPeers:
     def __init__(self, proxy_url: str, world_size: int) -> None:
         self._url = proxy_url
         self._world_size = world_size
+        self._directory = Directory()
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self, url: str | None = None) -> httpx.AsyncClient:
         # A client per call: a shared pool left a connection slot stuck after a
         # cancelled call (httpx.PoolTimeout seen), and a local connect costs ~1 ms.
-        return httpx.AsyncClient(base_url=self._url, timeout=httpx.Timeout(PEER_TIMEOUT, read=None))
+        return httpx.AsyncClient(
+            base_url=url or self._url, timeout=httpx.Timeout(PEER_TIMEOUT, read=None)
+        )
+
+    async def reach(self, replica: str) -> str | None:
+        return await self._directory.lookup(replica)
+
+    async def publish(self, replica: str, address: str | None) -> None:
+        await self._directory.publish(replica, address)
 
     async def each(self, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, bytes]:
         answers: dict[str, bytes] = {}
@@ -79,17 +91,22 @@ class ProxyPeers:
         return answers
 
     async def forward(
-        self, replica: str, scope: Message, body: bytes
+        self, replica: str, scope: Message, body: bytes, via: str | None = None
     ) -> AsyncGenerator[Message, None]:
         # The caller's own routing header would send the call back here.
         drop = _HOP_BY_HOP | {REPLICA_HEADER.encode()}
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
         headers += [(REPLICA_HEADER.encode(), replica.encode()), (FORWARDED_HEADER, b"1")]
         path = scope["path"]
-        async with (
-            self._client() as client,
-            client.stream(scope["method"], path, headers=headers, content=body) as response,
-        ):
+        if scope.get("query_string"):
+            path += "?" + scope["query_string"].decode("latin-1")
+        async with self._client(via) as client, AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(
+                    client.stream(scope["method"], path, headers=headers, content=body)
+                )
+            except httpx.ConnectError as exc:
+                raise ConnectionError(f"replica {replica} at {via or self._url}: {exc}") from exc
             first_id = True
             kept = []
             for name, value in response.headers.raw:
@@ -150,7 +167,12 @@ class KvscopeReplica:
         peers = ProxyPeers(proxy_url, context.world_size)
         engine_kwargs = {**engine_kwargs, "request_id_prefix": id_prefix(self.replica)}
         self.asgi = ReplicaApp(
-            self.replica, engine_kwargs, ServerSettings(**settings), peers, request_timeout_s
+            self.replica,
+            engine_kwargs,
+            ServerSettings(**settings),
+            peers,
+            request_timeout_s,
+            direct_host=ray.util.get_node_ip_address(),
         )
 
     def __serve_build_asgi_app__(self) -> ReplicaApp:

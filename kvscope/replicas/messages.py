@@ -34,6 +34,18 @@ def parent_owner(body: str | bytes) -> str | None:
     return owner_of(parent) if isinstance(parent, str) else None
 
 
+async def read_body(receive: Receive) -> bytes | None:
+    """An HTTP call's whole body; None if the client left first."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
 def replay_body(body: bytes, then: Receive) -> Receive:
     sent = False
 

@@ -80,13 +80,7 @@ class Server:
         self._stop_serving = anyio.Event()
         sock = bind_socket(self.settings.host, self.settings.port)
         self.port = sock.getsockname()[1]
-        config = HypercornConfig()
-        config.bind = [f"fd://{sock.detach()}"]
-        # Our own shutdown waits (up to graceful_timeout) until every stream has ended;
-        # what hypercorn still holds then is idle keep-alive connections.
-        config.graceful_timeout = 1.0
-        config.websocket_max_message_size = self.settings.max_body_bytes
-        config.errorlog = logging.getLogger("hypercorn.error")  # through our logging, once
+        config = hypercorn_config(sock, self.settings)
         async with Engine.open(**self.engine_kwargs) as engine:
             self.engine = engine
             metrics = Metrics()
@@ -112,7 +106,7 @@ class Server:
                     engine.config.audit_log or "in memory",
                 )
                 task_status.started(self.port)
-                await _serve(app, config, self.settings.backend, self._stop_serving.wait)
+                await serve_app(app, config, self.settings.backend, self._stop_serving.wait)
                 tg.cancel_scope.cancel()
             log.info("kvscope stopped serving; closing the engine")
 
@@ -162,7 +156,20 @@ class Server:
                     self._stop_serving.set()
 
 
-async def _serve(app: Any, config: HypercornConfig, backend: str, shutdown_trigger: Any) -> None:
+def hypercorn_config(sock: socket.socket, settings: ServerSettings) -> HypercornConfig:
+    """hypercorn's settings for serving the app on `sock` (which it takes over)."""
+    config = HypercornConfig()
+    config.bind = [f"fd://{sock.detach()}"]
+    # Our own shutdown waits (up to graceful_timeout) until every stream has ended;
+    # what hypercorn still holds then is idle keep-alive connections.
+    config.graceful_timeout = 1.0
+    config.websocket_max_message_size = settings.max_body_bytes
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging, once
+    return config
+
+
+async def serve_app(app: Any, config: HypercornConfig, backend: str, shutdown_trigger: Any) -> None:
+    """Serve `app` on hypercorn until `shutdown_trigger()` returns."""
     if backend == "trio":
         from hypercorn.trio import serve
 

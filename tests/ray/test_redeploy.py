@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
@@ -38,13 +39,15 @@ def test_a_rolling_redeploy_drains_streams(cluster: Cluster) -> None:
         wait_for(lambda: all(out.get("events") for out in reads.values()), what="all streaming")
         started = time.monotonic()
         cluster.process.send_signal(signal.SIGHUP)
-        # The first old replica that Serve stops ends its long stream after the drain.
-        first = wait_for(
-            lambda: next((r for (r, k), o in reads.items() if k == "long" and _ended(o)), None),
-            timeout=120,
-            what="a long stream ended by the redeploy",
-        )
         with cluster.client() as client:
+            # The first old replica that Serve stops routing to: it drains now.
+            first = wait_for(lambda: _unrouted(client, old), timeout=120, what="a replica stopping")
+            # A DELETE of its long stream reaches it all the same (its direct address)
+            # and cancels at once, not when the drain ends.
+            long_id = reads[(first, "long")]["events"][0]["id"]
+            answer = client.delete(f"/requests/{long_id}")
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-kvscope-replica"] == first
             for _ in range(4):
                 job = client.post("/v1/completions", json={"prompt": "New", "max_tokens": 2})
                 assert job.status_code == 200, job.text
@@ -62,6 +65,8 @@ def test_a_rolling_redeploy_drains_streams(cluster: Cluster) -> None:
         assert last["type"] == "done", (replica, kind, last)
         if kind == "short":
             assert last["status"] == "finished", last
+        elif replica == first:
+            assert (last["status"], last["cancel_reason"]) == ("cancelled", "user"), last
         else:
             assert (last["status"], last["cancel_reason"]) == ("cancelled", "shutdown"), last
     new = set(
@@ -75,6 +80,11 @@ def test_a_rolling_redeploy_drains_streams(cluster: Cluster) -> None:
     cluster.wait_clean()
 
 
-def _ended(out: dict[str, Any]) -> bool:
-    events = out.get("events") or []
-    return bool(events) and events[-1]["type"] in ("done", "error")
+def _unrouted(client: httpx.Client, replicas: set[str]) -> str | None:
+    """One of `replicas` that Serve no longer routes to: a call naming it is answered
+    by another replica."""
+    for replica in sorted(replicas):
+        answer = client.get("/stats", params={"replica": replica})
+        if answer.status_code == 200 and answer.json().get("replica") != replica:
+            return replica
+    return None
