@@ -1,6 +1,6 @@
 """`RawHttp`, the benchmarks' hand-written client for a timed request: kept-alive
-sockets, a new one when the server closed an idle one, and each round trip stamped on
-the thread that made it."""
+sockets, a new one when the server closed an idle one, and each round trip stamped in
+the process that made it."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def closing_server() -> Iterator[tuple[str, list[int]]]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{listener.getsockname()[1]}", served
+    listener.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept(); close alone does not
     listener.close()
     thread.join(timeout=10)
 
@@ -51,11 +52,8 @@ def test_a_closed_idle_socket_is_replaced_and_each_trip_is_stamped(
     url, served = closing_server
 
     async def three() -> list:
-        client = RawHttp(url)
-        try:
+        async with RawHttp(url) as client:
             return [await client.request("DELETE", "/requests/x") for _ in range(3)]
-        finally:
-            await client.aclose()
 
     before = time.time()
     replies = anyio.run(three)
@@ -74,11 +72,8 @@ def test_a_silent_server_fails_the_request_in_time() -> None:
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
 
     async def one() -> None:
-        client = RawHttp(url, timeout=0.5)
-        try:
+        async with RawHttp(url, timeout=0.5) as client:
             await client.request("DELETE", "/requests/x")
-        finally:
-            await client.aclose()
 
     try:
         with pytest.raises(TimeoutError):

@@ -76,7 +76,7 @@ async def run_stream(
 
 
 async def delete(control: RawHttp, rec: StreamRecord) -> None:
-    """`DELETE /requests/{id}`, timed by `RawHttp`'s thread, by its clock and by the
+    """`DELETE /requests/{id}`, timed by `RawHttp`'s process, by its clock and by the
     wall clock."""
     reply = await control.request("DELETE", f"/requests/{rec.id}")
     rec.delete_sent_wall, rec.delete_rtt = reply.sent_wall, reply.rtt

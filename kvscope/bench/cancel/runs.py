@@ -43,8 +43,10 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
     timeline: list[dict[str, Any]] = []
     stop = anyio.Event()
     connections = 2 * len(plans) + 8  # a stream and a DELETE each, the poller, spare
-    control = RawHttp(base_url)
-    async with session(base_url, timeout=args.run_timeout, connections=connections) as client:
+    async with (
+        RawHttp(base_url) as control,
+        session(base_url, timeout=args.run_timeout, connections=connections) as client,
+    ):
         before = await _histograms(client)
         clock = CpuClock()
         origin = clock.wall0
@@ -61,7 +63,6 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
                 wall, cpu = clock.wall, clock.cpu
                 stop.set()
         lag, gap = map(prometheus.window, before, await _histograms(client))
-    await control.aclose()
     return RawRun(
         wall_s=round(wall, 3),
         records=sorted(records, key=lambda r: r.index),
@@ -96,14 +97,13 @@ async def warm_up(server: Server, args: argparse.Namespace, vocab: int) -> None:
     """Up to 8 requests of the real shape (8 tokens each), so that neither measured run
     pays first-use costs."""
     warm = make_plans(args, vocab, 99, False)[:8]
-    control = RawHttp(server.base_url)
     async with (
+        RawHttp(server.base_url) as control,
         session(server.base_url, timeout=args.run_timeout) as client,
         anyio.create_task_group() as tg,
     ):
         for plan in warm:
             tg.start_soon(run_stream, client, control, plan, 8, time.perf_counter())
-    await control.aclose()
 
 
 async def bench_server(

@@ -11,24 +11,31 @@ Requests whose round trip is itself the figure (`bench cancel`'s DELETE) go thro
 `RawHttp` instead: HTTP/1.1 written and read by hand on kept-alive sockets, so the
 figure is the server's and not the client library's (against a raw asyncio server on
 this machine, a request took 1.06 ms p50 through aiohttp and 0.29 ms on a raw socket).
-Each exchange runs on a worker thread, which stamps it: the round trip does not wait
-for the client's event loop, busy with the streams it reads (that loop's own lag was
-p99 2-3 ms in `bench cancel`; with the DELETE on it the round trip read p50 / p99
-3.6 / 8.5 ms where the thread reads 2.5 / 4.0 ms, one run each).
+Each exchange is made and stamped in a process of its own (`raw_exchange`): the round
+trip waits neither for the client's event loop, busy with the streams it reads (with
+the DELETE on that loop the round trip read p50 / p99 3.6 / 8.5 ms where a thread read
+2.5 / 4.0 ms, one run each), nor for that loop's GIL, which a thread of the same
+process needs again as soon as the answer arrives.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
-import socket
-import threading
+import subprocess
+import sys
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 import anyio
+import anyio.abc
 import attrs
+from anyio.streams.buffered import BufferedByteReceiveStream
 
+from . import raw_exchange
 from .workload import Deadline
 
 
@@ -99,92 +106,84 @@ class CpuClock:
 class RawReply:
     status: int
     body: bytes
-    #: When the request was written (`time.time()`) and its round trip (s), stamped on
-    #: the thread that wrote it and read the answer.
+    #: When the request was written (`time.time()`) and its round trip (s), stamped in
+    #: the process that wrote it and read the answer.
     sent_wall: float
     rtt: float
 
 
-class _Stale(ConnectionError):
-    """A kept-alive socket the server closed while it was idle."""
-
-
 class RawHttp:
-    """Bodiless requests (`DELETE`, `GET`) on kept-alive blocking sockets, each on a
-    worker thread (see the module docstring), read by hand: the answer must have a
-    `content-length` (kvscope's and most JSON answers do). One socket per request in
-    flight; idle ones are reused. A server silent for `timeout` s fails the request
-    (`TimeoutError`); a cancelled caller does not wait for the thread."""
+    """Bodiless requests (`DELETE`, `GET`) made by a process of its own
+    (`raw_exchange`) on kept-alive blocking sockets, read by hand: the answer must have
+    a `content-length` (kvscope's and most JSON answers do). A server silent for
+    `timeout` s fails the request (`TimeoutError`); a cancelled caller does not wait
+    for the answer. `async with RawHttp(url) as raw: await raw.request(...)`."""
 
     def __init__(self, base_url: str, timeout: float = 30.0) -> None:
         check_local(base_url)
         url = urlsplit(base_url)
         self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
         self.timeout = timeout
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
+        self._process: anyio.abc.Process | None = None
+        self._waiting: dict[str, tuple[anyio.Event, list[dict[str, Any]]]] = {}
+        self._ids = itertools.count()
+        self._tasks: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> RawHttp:
+        self._process = await anyio.open_process(
+            # By path, not `-m`: the package's __init__ would import torch (seconds).
+            [sys.executable, raw_exchange.__file__, self.host, str(self.port), str(self.timeout)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._tasks = anyio.create_task_group()
+        await self._tasks.__aenter__()
+        self._tasks.start_soon(self._read_answers)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        process, tasks = self._process, self._tasks
+        assert process is not None and process.stdin is not None and tasks is not None
+        with anyio.CancelScope(shield=True):
+            await process.stdin.aclose()  # the child ends; so does _read_answers
+            with anyio.move_on_after(5):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        # The reader has nothing left to read; the caller's own exception, if any,
+        # goes on from its `async with` unwrapped.
+        tasks.cancel_scope.cancel()
+        await tasks.__aexit__(None, None, None)
 
     async def request(self, method: str, path: str) -> RawReply:
-        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Length: 0\r\n\r\n"
-        return await anyio.to_thread.run_sync(self._request, head.encode(), abandon_on_cancel=True)
-
-    def _request(self, head: bytes) -> RawReply:
-        while (sock := self._take_idle()) is not None:
-            try:
-                return self._exchange(sock, head)
-            except ConnectionError:
-                continue  # closed by the server while idle: the request never reached it
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self._exchange(sock, head)
-
-    def _take_idle(self) -> socket.socket | None:
-        with self._lock:
-            return self._idle.pop() if self._idle else None
-
-    def _exchange(self, sock: socket.socket, head: bytes) -> RawReply:
+        assert self._process is not None and self._process.stdin is not None, "not entered"
+        request_id = str(next(self._ids))
+        done, answer = anyio.Event(), list[dict[str, Any]]()
+        self._waiting[request_id] = (done, answer)
         try:
-            sent_wall, sent = time.time(), time.perf_counter()
-            sock.sendall(head)
-            status, body, keep = _read_reply(sock)
-            rtt = time.perf_counter() - sent
-        except BaseException:
-            sock.close()
-            raise
-        if keep:
-            with self._lock:
-                self._idle.append(sock)
-        else:
-            sock.close()
-        return RawReply(status, body, sent_wall, rtt)
+            await self._process.stdin.send(f"{request_id} {method} {path}\n".encode())
+            with anyio.fail_after(self.timeout + 5):  # the child's own timeout comes first
+                await done.wait()
+        finally:
+            del self._waiting[request_id]
+        (reply,) = answer
+        if "error" in reply:
+            error = TimeoutError if reply["kind"] == "timeout" else ConnectionError
+            raise error(f"{method} {path}: {reply['error']}")
+        body = reply["body"].encode("latin-1")
+        return RawReply(reply["status"], body, reply["sent_wall"], reply["rtt"])
 
-    async def aclose(self) -> None:
-        with self._lock:
-            for sock in self._idle:
-                sock.close()
-            self._idle.clear()
-
-
-def _read_reply(sock: socket.socket) -> tuple[int, bytes, bool]:
-    """One response: the status, the body (by `content-length`), and whether the
-    connection stays open."""
-
-    def more() -> bytes:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise _Stale("the server closed the connection")
-        return chunk
-
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += more()
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
-    length = int(headers.get("content-length", "-1"))
-    if length < 0:
-        raise ValueError("RawHttp reads answers with a content-length only")
-    while len(body) < length:
-        body += more()
-    return status, body[:length], headers.get("connection") != "close"
+    async def _read_answers(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        lines = BufferedByteReceiveStream(self._process.stdout)
+        while True:
+            try:
+                line = await lines.receive_until(b"\n", 1 << 24)
+            except (anyio.EndOfStream, anyio.IncompleteRead):
+                return
+            reply = json.loads(line)
+            waiting = self._waiting.get(reply["id"])
+            if waiting is not None:  # else its caller was cancelled
+                waiting[1].append(reply)
+                waiting[0].set()
