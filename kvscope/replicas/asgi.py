@@ -48,7 +48,7 @@ from kvscope.web.context import ServerContext, call_deadline
 from kvscope.web.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 
-from .direct import DirectListener
+from .direct import DirectHosts, DirectListener
 from .ids import REPLICA_HEADER, routing_key
 from .merge import merge_metrics, merge_stats
 from .messages import (
@@ -116,12 +116,12 @@ class ReplicaApp:
         settings: ServerSettings,
         peers: Peers,
         request_timeout: float | None = None,
-        direct_host: str | None = None,
+        direct_hosts: DirectHosts | None = None,
     ) -> None:
         self.replica = replica
-        #: Where this replica listens for calls that Serve no longer routes to it (the
-        #: node's address); None: no such listener.
-        self.direct_host = direct_host
+        #: Where this replica listens for calls that Serve no longer routes to it;
+        #: None: no such listener.
+        self.direct_hosts = direct_hosts
         #: Serve's end-to-end timeout of an HTTP call (its `request_timeout_s`).
         self.request_timeout = request_timeout
         self.engine_kwargs = engine_kwargs
@@ -247,9 +247,9 @@ class ReplicaApp:
 
     async def _open_direct(self, tg: TaskGroup) -> DirectListener | None:
         """Serve this app on the replica's direct address too, and publish it."""
-        if self.direct_host is None:
+        if self.direct_hosts is None:
             return None
-        direct = DirectListener(self, self.direct_host, self.settings)
+        direct = DirectListener(self, self.direct_hosts, self.settings)
         address = await tg.start(direct.run)
         try:
             await self.peers.publish(self.replica, address)

@@ -63,6 +63,7 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
             proxy_url=f"http://{_local(settings.host)}:{port}",
             request_timeout_s=args.request_timeout,
             prefix_routing=args.prefix_routing,
+            direct_host=settings.host,
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host

@@ -26,7 +26,7 @@ from ray.serve.config import RequestRouterConfig
 from kvscope.web.settings import ServerSettings
 
 from .asgi import ReplicaApp
-from .direct import Directory
+from .direct import DirectHosts, Directory
 from .ids import REPLICA_HEADER, id_prefix
 from .messages import FORWARDED_HEADER, Message
 from .router import OwnerRouter
@@ -161,6 +161,7 @@ class KvscopeReplica:
         settings: dict[str, Any],
         proxy_url: str,
         request_timeout_s: float | None,
+        direct_host: str | None = None,
     ) -> None:
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
@@ -172,7 +173,7 @@ class KvscopeReplica:
             ServerSettings(**settings),
             peers,
             request_timeout_s,
-            direct_host=ray.util.get_node_ip_address(),
+            DirectHosts.like_proxy(direct_host, ray.util.get_node_ip_address()),
         )
 
     def __serve_build_asgi_app__(self) -> ReplicaApp:
@@ -193,13 +194,16 @@ def build_app(
     proxy_url: str = "http://127.0.0.1:8000",
     request_timeout_s: float | None = None,
     prefix_routing: bool = True,
+    direct_host: str | None = None,
 ) -> Any:
     """The Serve application: `replicas` copies of `KvscopeReplica` routed by
     `OwnerRouter`. `engine_kwargs` are `Engine.open`'s, `settings` `ServerSettings`'s;
     `proxy_url` is where a replica reaches Serve's HTTP proxy on its own node;
     `request_timeout_s` must be the proxy's own (`http_options`), so that a call it cuts
     at that deadline is cancelled with reason `timeout`. `prefix_routing` sends prompts
-    that share a prefix to one replica where load allows (see `prefix`). A stopping replica drains like
+    that share a prefix to one replica where load allows (see `prefix`). `direct_host`
+    is the host Serve's proxy listens on, if kvscope started it: each replica's direct
+    listener binds alike (see `direct.DirectHosts`). A stopping replica drains like
     the single server on SIGTERM (see `stopping`); `graceful_shutdown_timeout_s`, after
     which Serve kills it, defaults to that drain's length and some slack."""
     settings = dict(settings or {})
@@ -228,7 +232,9 @@ def build_app(
         health_check_period_s=2.0,
         health_check_timeout_s=10.0,
     )(KvscopeReplica)
-    return deployment.bind(dict(engine_kwargs or {}), settings, proxy_url, request_timeout_s)
+    return deployment.bind(
+        dict(engine_kwargs or {}), settings, proxy_url, request_timeout_s, direct_host
+    )
 
 
 def app_builder(args: dict[str, str]) -> Any:

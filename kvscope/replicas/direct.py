@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 import anyio
+import attrs
 from anyio.abc import TaskStatus
 
 from kvscope.web.server import bind_socket, hypercorn_config, serve_app
@@ -64,24 +65,47 @@ class Directory:
         return value.decode() if value else None
 
 
-class DirectListener:
-    """Serves `app`'s HTTP calls on `host`, any free port, on hypercorn, until `stop()`.
-    The lifespan is the replica's own (Serve runs it): this listener answers hypercorn's
-    lifespan messages itself and hands the app only HTTP and WebSocket calls."""
+@attrs.frozen
+class DirectHosts:
+    """Where a replica's direct listener binds, and the host its address names."""
 
-    def __init__(self, app: Any, host: str, settings: ServerSettings) -> None:
+    bind: str
+    advertise: str
+
+    @classmethod
+    def like_proxy(cls, proxy_host: str | None, node_address: str) -> DirectHosts:
+        """Listen where Serve's proxy listens (`proxy_host`), so that a replica is no
+        more widely reachable than the deployment: a wildcard binds the wildcard and
+        names the node's address; a loopback proxy keeps the replicas on loopback
+        (enough on one node: `kvscope serve --replicas`' own Ray); None (a cluster
+        whose proxies kvscope did not start) binds the node's address."""
+        if proxy_host is None:
+            return cls(node_address, node_address)
+        if proxy_host in ("", "0.0.0.0", "::"):
+            return cls(proxy_host or "0.0.0.0", node_address)
+        return cls(proxy_host, proxy_host)
+
+
+class DirectListener:
+    """Serves `app`'s HTTP calls on `hosts.bind`, any free port, on hypercorn, until
+    `stop()`; its address names `hosts.advertise`. The lifespan is the replica's own
+    (Serve runs it): this listener answers hypercorn's lifespan messages itself and
+    hands the app only HTTP and WebSocket calls."""
+
+    def __init__(self, app: Any, hosts: DirectHosts, settings: ServerSettings) -> None:
         self.app = app
-        self.host = host
+        self.hosts = hosts
         self.settings = settings
         self._stop = anyio.Event()
 
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve; `task_status.started(url)` once the socket listens."""
-        sock = bind_socket(self.host, 0)
+        sock = bind_socket(self.hosts.bind, 0)
         port = sock.getsockname()[1]
         config = hypercorn_config(sock, self.settings)
         config.accesslog = None
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.hosts.advertise
+        host = f"[{host}]" if ":" in host else host
         task_status.started(f"http://{host}:{port}")
         await serve_app(self._calls, config, "asyncio", self._stop.wait)
 

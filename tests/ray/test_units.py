@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
 
+from kvscope.replicas.direct import DirectHosts  # noqa: E402
 from kvscope.replicas.ids import id_prefix, owner_of, routing_key  # noqa: E402
 from kvscope.replicas.merge import merge_metrics, merge_stats  # noqa: E402
 from kvscope.replicas.prefix import (  # noqa: E402
@@ -28,6 +29,14 @@ def test_ids_name_their_replica() -> None:
     assert owner_of(request_id) == "ab12cd34"
     assert owner_of("req-" + "f" * 32) is None  # the single server's ids
     assert owner_of("my-own-id") is None
+
+
+def test_a_replica_listens_directly_where_the_proxy_listens() -> None:
+    node = "10.0.0.7"
+    assert DirectHosts.like_proxy("127.0.0.1", node) == DirectHosts("127.0.0.1", "127.0.0.1")
+    assert DirectHosts.like_proxy("0.0.0.0", node) == DirectHosts("0.0.0.0", node)
+    assert DirectHosts.like_proxy("::", node) == DirectHosts("::", node)
+    assert DirectHosts.like_proxy(None, node) == DirectHosts(node, node)
 
 
 def test_routing_key_path_then_header_then_query() -> None:
