@@ -98,3 +98,14 @@ def test_a_format_1_cancel_run_knows_its_worker() -> None:
         "cancel-2026-11-30-worker-process.json": ["process"],
         "cancel-2026-11-30-worker-thread.json": ["thread"],
     }
+
+
+def test_a_pooled_run_says_how_many_streams_ran_at_once() -> None:
+    """With `--rounds 2` each run pools the streams of two rounds: the report says how
+    many ran at once (the `--requests`) and that rounds were pooled."""
+    result = load(DOCS / "cancel-2026-11-30-s6.json")
+    assert result.config["rounds"] == 2 and result.config["requests"] == 32
+    assert result.runs[0].requests == 64
+    text = tables(result)
+    assert "32 concurrent streams" in text and "(2 rounds pooled)" in text
+    assert "64 concurrent" not in text

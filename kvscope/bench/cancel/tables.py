@@ -115,11 +115,14 @@ def cancel_tables(result: CancelResult) -> str:
     out = [f"kvscope revision {result.machine.kvscope_revision}"]
     for run in result.runs:
         worker = f", worker {run.worker}" if run.worker else ""
+        rounds = int(c.get("rounds") or 1)  # the runs' streams are pooled over the rounds
+        pooled = f" ({rounds} rounds pooled)" if rounds > 1 else ""
         out += [
             "",
-            f"kvscope serve, {run.threads} model thread(s){worker}: {run.requests} concurrent "
-            f"streams of {c.get('prompt_tokens')} prompt tokens + {c.get('max_tokens')} output "
-            f"tokens; {run.deletes} cancelled by DELETE, {run.disconnects} by closing the stream",
+            f"kvscope serve, {run.threads} model thread(s){worker}: {run.requests // rounds} "
+            f"concurrent streams of {c.get('prompt_tokens')} prompt tokens + "
+            f"{c.get('max_tokens')} output tokens; {run.deletes} cancelled by DELETE, "
+            f"{run.disconnects} by closing the stream{pooled}",
             *_hop_table(run),
             *_survivor_table(run),
             *_footer(run),
