@@ -13,13 +13,16 @@ request arriving on a socket suffers too.
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvscope import Engine
 from kvscope.actors.request import RequestState
@@ -122,6 +125,37 @@ class _CheckpointGaps(Collector):
         )
 
 
+class _GapsHistogram(Collector):
+    """A histogram fed all of a request's inter-token gaps at once (`observe_all`), one
+    bisect each. prometheus_client's `Histogram.observe` takes a lock and walks the
+    buckets for every value (2.4 us here): 0.3 ms for a request of 128 tokens, spent in
+    its cleanup on the event loop, where a DELETE's answer waits for it (measured under
+    load: 0.1-0.26 ms of the DELETE's path) and where 32 requests that end in one step
+    stalled the loop for ~10 ms together. Exposed exactly as a `Histogram` is, less
+    its `_created` sample."""
+
+    def __init__(self, name: str, documentation: str, bounds: Sequence[float]) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = tuple(bounds)
+        self._counts = [0] * (len(self._bounds) + 1)  # the last one: above every bound
+        self._sum = 0.0
+
+    def observe_all(self, values: Sequence[float]) -> None:
+        counts, bounds = self._counts, self._bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1  # a bucket's bound is inclusive
+        self._sum += sum(values)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        buckets, cumulative = [], 0
+        for bound, count in zip((*self._bounds, math.inf), self._counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(
+            self._name, self._documentation, buckets=buckets, sum_value=self._sum
+        )
+
+
 class Metrics:
     """The server's metrics; `attach(engine)` hooks them to the engine."""
 
@@ -146,12 +180,10 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
-        self.itl = Histogram(
-            "kvscope_inter_token_latency_seconds",
-            "Time between tokens",
-            buckets=_LATENCY,
-            registry=r,
+        self.itl = _GapsHistogram(
+            "kvscope_inter_token_latency_seconds", "Time between tokens", _LATENCY
         )
+        r.register(self.itl)
         self.cancel_release = Histogram(
             "kvscope_cancel_to_release_seconds",
             "From the cancel call to the KV blocks' release",
@@ -195,8 +227,8 @@ class Metrics:
             if state.first_token_at is not None:
                 self.ttft.observe(state.first_token_at - state.created)
             times = state.token_times
-            for before, after in zip(times, times[1:], strict=False):
-                self.itl.observe(after - before)
+            gaps = [after - before for before, after in zip(times, times[1:], strict=False)]
+            self.itl.observe_all(gaps)
         except Exception:  # a metrics bug must never break the engine's cleanup
             log.exception("metrics: release hook failed for %s", state.id)
 

@@ -40,6 +40,7 @@ def test_stats_metrics_health(live: Live) -> None:
         wait_clean(live)
         stats = client.get("/stats").json()
         assert stats["kv_blocks_in_use"] == 0 and stats["cancelled"] == 1 and stats["finished"] == 1
+        gone_tokens = client.get(f"/requests/{gone['id']}").json()["tokens_generated"]
         text = client.get("/metrics").text
     for needle in (
         'kvscope_requests_total{finish_reason="length"} 1.0',
@@ -58,6 +59,11 @@ def test_stats_metrics_health(live: Live) -> None:
         assert needle in text, needle
     gaps = prometheus.histogram(text, "kvscope_checkpoint_gap_seconds")
     assert gaps[math.inf] > 0  # every step counted its gaps
+    # One inter-token gap per token after each request's first, in cumulative buckets.
+    itl = prometheus.histogram(text, "kvscope_inter_token_latency_seconds")
+    assert itl[math.inf] == (5 - 1) + (gone_tokens - 1)
+    counts = [itl[bound] for bound in sorted(itl)]
+    assert counts == sorted(counts) and len(counts) == 16
 
 
 def test_drain_then_shutdown(backend: str, tmp_path: Path) -> None:
