@@ -99,8 +99,9 @@ class Peers(Protocol):
         """`replica`'s direct address (see `direct`), or None if it published none."""
         ...
 
-    async def publish(self, replica: str, address: str | None) -> None:
-        """Publish this replica's direct address (None withdraws it)."""
+    async def publish(self, replica: str, address: str | None) -> bool:
+        """Publish a replica's direct address (None withdraws it); False if that could
+        not be done (best effort: never raises)."""
         ...
 
     def connect(self, replica: str, scope: Message) -> AbstractAsyncContextManager[Any]:
@@ -251,12 +252,10 @@ class ReplicaApp:
             return None
         direct = DirectListener(self, self.direct_hosts, self.settings)
         address = await tg.start(direct.run)
-        try:
-            await self.peers.publish(self.replica, address)
-        except Exception:  # serve all the same; only a drain's calls would miss it
-            log.exception(
-                "replica %s could not publish its direct address: while it drains, "
-                "calls for its requests will answer 404",
+        if not await self.peers.publish(self.replica, address):
+            # Serve all the same; only calls that reach it while it drains miss it.
+            log.warning(
+                "replica %s: while it drains, calls for its requests will answer 404",
                 self.replica,
             )
         log.info("replica %s: direct address %s", self.replica, address)

@@ -66,8 +66,8 @@ class ProxyPeers:
     async def reach(self, replica: str) -> str | None:
         return await self._directory.lookup(replica)
 
-    async def publish(self, replica: str, address: str | None) -> None:
-        await self._directory.publish(replica, address)
+    async def publish(self, replica: str, address: str | None) -> bool:
+        return await self._directory.publish(replica, address)
 
     async def each(self, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, bytes]:
         answers: dict[str, bytes] = {}

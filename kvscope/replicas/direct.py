@@ -42,8 +42,9 @@ class Directory:
     """Each replica's direct address, in Ray's internal key-value store (the cluster's
     GCS: every replica on every node reads the same)."""
 
-    async def publish(self, replica: str, address: str | None) -> None:
-        """Publish `replica`'s address; None withdraws it."""
+    async def publish(self, replica: str, address: str | None) -> bool:
+        """Publish `replica`'s address; None withdraws it. False (logged) if the store
+        could not be written: best effort, never an error of the call at hand."""
         from ray.experimental import internal_kv
 
         def put() -> None:
@@ -52,16 +53,26 @@ class Directory:
             else:
                 internal_kv._internal_kv_put(_key(replica), address, namespace=NAMESPACE)
 
-        await anyio.to_thread.run_sync(put)
+        try:
+            await anyio.to_thread.run_sync(put)
+        except Exception:
+            log.exception("could not write replica %s's direct address", replica)
+            return False
+        return True
 
     async def lookup(self, replica: str) -> str | None:
-        """`replica`'s address, or None if it published none (or withdrew it)."""
+        """`replica`'s address, or None if it published none, withdrew it, or the store
+        could not be read (logged)."""
         from ray.experimental import internal_kv
 
         def get() -> bytes | None:
             return internal_kv._internal_kv_get(_key(replica), namespace=NAMESPACE)
 
-        value = await anyio.to_thread.run_sync(get)
+        try:
+            value = await anyio.to_thread.run_sync(get)
+        except Exception:
+            log.exception("could not read replica %s's direct address", replica)
+            return None
         return value.decode() if value else None
 
 
