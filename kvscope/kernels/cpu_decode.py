@@ -10,7 +10,8 @@ torch fallback and switches to the kernel when it is ready; a cached build is lo
 once. The shared library registers `torch.ops.kvscope.paged_decode` and is loaded with
 `torch.ops.load_library`; before first use it is checked against the torch reference.
 Where no compiler exists, or the build or the check fails, one log line says so and
-the fallback stays.
+the fallback stays. The build's vector path follows the CPU (`-march=native`: AVX-512
+BF16, AVX-512, AVX2 or none); `CpuKernel.isa` and the log line name it.
 
 `CpuDecode` is the decode function `attention.decode_backend("cpu")` hands out: the
 kernel when it is ready and supports the dtype, the fallback otherwise.
@@ -112,6 +113,9 @@ class CpuKernel:
         self._started = False
         self.op: Callable[..., None] | None = None
         self.why_not: str | None = None  # why the fallback serves, once known
+        #: The instruction set the loaded build's vector path uses: "avx512-bf16",
+        #: "avx512", "avx2" or "scalar" (`paged_decode_isa()` in the source).
+        self.isa: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -175,17 +179,22 @@ class CpuKernel:
         try:
             torch.ops.load_library(str(path))
             op = torch.ops.kvscope.paged_decode.default
+            isa = str(torch.ops.kvscope.paged_decode_isa())
             _check(op)
         except Exception as exc:  # a stale or broken build: never let it serve
             self._give_up(f"the kernel at {path} did not load or check out ({exc})")
             return
-        self.op = op
+        self.op, self.isa = op, isa
         with contextlib.suppress(OSError):
             os.utime(path)  # "recent" for `prune_builds` means recently used
         if built_in is not None:
-            log.info("CPU paged-attention kernel built in %.0f s; the decode uses it now", built_in)
+            log.info(
+                "CPU paged-attention kernel (%s) built in %.0f s; the decode uses it now",
+                isa,
+                built_in,
+            )
         else:
-            log.info("CPU paged-attention kernel loaded from %s", path)
+            log.info("CPU paged-attention kernel (%s) loaded from %s", isa, path)
         self._done.set()
 
     def _give_up(self, why: str) -> None:
@@ -216,27 +225,34 @@ def prune_builds(current: Path, keep: int = KEEP_OTHER_BUILDS) -> list[Path]:
 
 
 def _check(op: Callable[..., None]) -> None:
-    """Raise unless `op` agrees with the torch reference on a small ragged GQA batch."""
+    """Raise unless `op` agrees with the torch reference on a small ragged GQA batch
+    and on one sequence long enough to be cut into spans. The head size, 32, takes
+    every vector path there is (AVX-512 BF16's dot products need a multiple of 32)."""
     from .attention import reference_decode
 
     generator = torch.Generator().manual_seed(0)
-    blocks, block_size, kv_heads, heads, dim = 12, 4, 2, 4, 16
-    tables = torch.randperm(blocks, generator=generator)[:9].view(3, 3).contiguous()
-    lens = torch.tensor([1, 7, 12], dtype=torch.int32)
+    block_size, kv_heads, heads, dim = 4, 2, 4, 32
+    ragged = torch.tensor([1, 7, 12], dtype=torch.int32), 3
+    long = torch.tensor([300], dtype=torch.int32), 75
     for dtype in DTYPES:
+        for lens, width in (ragged, long):
+            batch = len(lens)
+            blocks = batch * width + 1
 
-        def rand(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
-            return torch.randn(*shape, generator=generator).to(dtype)
+            def rand(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+                return torch.randn(*shape, generator=generator).to(dtype)
 
-        keys = rand(kv_heads, blocks, block_size, dim).permute(1, 2, 0, 3)
-        values = rand(kv_heads, blocks, block_size, dim).permute(1, 2, 0, 3)
-        query = rand(3, heads, dim)
-        out = torch.empty_like(query)
-        op(out, query, keys, values, tables, lens, dim**-0.5)
-        ref = reference_decode(query, keys, values, tables, lens, dim**-0.5)
-        error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        if not error <= CHECK_RTOL[dtype]:
-            raise RuntimeError(f"{dtype} result off by {error:.1e} relative")
+            keys = rand(kv_heads, blocks, block_size, dim).permute(1, 2, 0, 3)
+            values = rand(kv_heads, blocks, block_size, dim).permute(1, 2, 0, 3)
+            order = torch.randperm(blocks, generator=generator)
+            tables = order[: batch * width].view(batch, width).contiguous()
+            query = rand(batch, heads, dim)
+            out = torch.empty_like(query)
+            op(out, query, keys, values, tables, lens, dim**-0.5)
+            ref = reference_decode(query, keys, values, tables, lens, dim**-0.5)
+            error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            if not error <= CHECK_RTOL[dtype]:
+                raise RuntimeError(f"{dtype} result off by {error:.1e} relative")
 
 
 @cache

@@ -12,13 +12,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvscope.kernels.attention import reference_decode
-from kvscope.kernels.cpu_decode import compiler, cpu_kernel, prune_builds
+from kvscope.kernels.cpu_decode import SOURCE, build_command, compiler, cpu_kernel, prune_builds
 
 # (heads, kv_heads, head_dim, block_size): GQA 2, 4 and 6 to 1, MHA, head sizes that
 # are not a multiple of 8, a block size that is not a power of two.
@@ -90,6 +91,68 @@ def test_kernel_reads_a_strided_query_and_threads(op) -> None:
         torch.set_num_threads(threads)
     ref = reference_decode(query, keys, values, tables, lens, 0.125)
     assert torch.allclose(results[0], ref, atol=1e-5) and torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_sequences_are_cut_into_spans_and_merged(op, dtype, threads) -> None:
+    """Too few (sequence, KV head) pairs for the threads: each sequence is cut into
+    spans of blocks whose partial softmaxes are merged. Ragged, so the short row's
+    later spans are empty; GQA 4 to 1 and MHA."""
+    generator = torch.Generator().manual_seed(1)
+    block_size, dim = 16, 64
+    lens = torch.tensor([1100, 30], dtype=torch.int32)
+    width = -(-1100 // block_size)
+    blocks = 2 * width + 1
+    tables = torch.randperm(blocks, generator=generator)[: 2 * width].view(2, width)
+    for heads, kv_heads in ((4, 1), (2, 2)):
+        keys = torch.randn(blocks, block_size, kv_heads, dim, generator=generator).to(dtype)
+        values = torch.randn(blocks, block_size, kv_heads, dim, generator=generator).to(dtype)
+        # Large scores, so that a span's max differs from the sequence's and the merge's
+        # rescaling matters.
+        query = (3 * torch.randn(2, heads, dim, generator=generator)).to(dtype)
+        previous = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            out = torch.full_like(query, float("nan"))
+            op(out, query, keys, values, tables.contiguous(), lens, dim**-0.5)
+        finally:
+            torch.set_num_threads(previous)
+        ref = reference_decode(query.float(), keys.float(), values.float(), tables, lens, dim**-0.5)
+        error = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert error <= RTOL[dtype], f"max error {error:.1e} relative ({heads}/{kv_heads} heads)"
+
+
+def _expected_isa() -> str:
+    flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0].split())
+    if {"avx512f", "avx512_bf16"} <= flags:
+        return "avx512-bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "scalar"
+
+
+def test_the_build_takes_the_vector_path_this_cpu_has(op) -> None:
+    assert cpu_kernel().isa == _expected_isa()
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler here")
+def test_every_vector_path_compiles(tmp_path: Path) -> None:
+    """The source compiles for each instruction set's path, including those this CPU
+    cannot run (which the parity tests above cannot reach here): scalar, AVX2,
+    AVX-512 and AVX-512 BF16."""
+    command = build_command(compiler(), SOURCE, tmp_path / "unused.so")
+
+    def compile_for(march: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+        flags = [f"-march={march}" if a == "-march=native" else a for a in command]
+        return march, subprocess.run(
+            [*flags, "-fsyntax-only", "-Werror"], capture_output=True, text=True
+        )
+
+    marches = ["x86-64", "x86-64-v3", "skylake-avx512", "sapphirerapids"]
+    with ThreadPoolExecutor(2) as pool:
+        for march, result in pool.map(compile_for, marches):
+            assert result.returncode == 0, f"-march={march}: {result.stderr[-2000:]}"
 
 
 def test_kernel_rejects_what_it_cannot_read(op) -> None:
@@ -165,7 +228,7 @@ def test_the_build_runs_in_the_background_then_takes_over(tmp_path: Path) -> Non
     )
     assert first.returncode == 0, first.stderr
     assert "building the CPU paged-attention kernel in the background" in first.stderr
-    assert "kernel built in" in first.stderr
+    assert f"kernel ({_expected_isa()}) built in" in first.stderr
     assert len(list(tmp_path.glob("paged_decode-*.so"))) == 1
     second = _run_engine_script(
         {"KVSCOPE_KERNEL_CACHE": str(tmp_path)}, "assert cpu_kernel().ready\n"

@@ -1,15 +1,23 @@
 // Paged decode attention on the CPU, reading K/V from the paged cache in place.
 //
-// One query token per sequence attends over that sequence's blocks. Work is split over
-// (sequence, KV head) pairs with at::parallel_for (torch's intra-op threads, so the
-// model's thread setting holds). Each pair loads its group of query heads (the heads
-// that share this KV head) once, then walks the blocks: scores for every head of the
-// group against a block's keys, an online softmax in float32 (running max and sum per
-// head, the accumulator rescaled when the max grows), and the block's values added in.
-// With AVX2 and FMA (and a head size that is a multiple of 8) the dot products and the
-// value sums read the cache directly, 8 lanes at a time, widening bfloat16 with a shift;
-// otherwise keys and values are converted to float32 a block at a time and plain loops
-// do the rest (vectorised by the compiler where it can). float32 and bfloat16 caches.
+// One query token per sequence attends over that sequence's blocks. The work items are
+// (sequence, KV head, span of blocks) across at::parallel_for (torch's intra-op
+// threads, so the model's thread setting holds). A sequence is cut into spans only when
+// the (sequence, KV head) pairs are too few to give every thread two; each span is then
+// at least MIN_SPAN_TOKENS long, and a second pass merges the spans' partial softmaxes.
+// Each item loads its group of query heads (the heads sharing this KV head) once, then
+// walks its blocks: scores for every head of the group against a block's keys, an
+// online softmax in float32 (running max and sum per head, the accumulator rescaled
+// when the max grows), and the block's values added in.
+//
+// The vector path (head size a multiple of the vector width) is written once over
+// `simd::V`, which the build's -march=native makes 16 float lanes with AVX-512F or 8
+// with AVX2 and FMA. It reads the cache directly (bfloat16 widened with a shift),
+// reduces the dot products of 8 keys at once, and takes exp() vectorised. With
+// AVX-512 BF16 the bfloat16 query-key dot products use VDPBF16PS (32 pairs an
+// instruction, float32 sums). Without any of these, keys and values are converted to
+// float32 a block at a time and plain loops do the rest. `paged_decode_isa()` names
+// the path the build took. float32 and bfloat16 caches.
 //
 // The torch reference this is tested against: kvscope/kernels/attention.py,
 // reference_decode.
@@ -19,9 +27,12 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
-#define KVSCOPE_AVX2 1
+#define KVSCOPE_SIMD 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KVSCOPE_AVX512_BF16 1
 #endif
 
 #include <algorithm>
@@ -29,19 +40,27 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+using bf16 = c10::BFloat16;
+
+// A sequence is split into spans of at least this many tokens, and only when the
+// (sequence, KV head) pairs are fewer than two a thread.
+constexpr int64_t MIN_SPAN_TOKENS = 256;
+
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
+inline float to_float(bf16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
 inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }
+inline void from_float(float x, bf16* out) { *out = bf16(x); }
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t dim) {
@@ -60,69 +79,297 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return sum;
 }
 
-#ifdef KVSCOPE_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
+// GCC 12 deletes a loop whose only work is __builtin_prefetch (it has no side effect),
+// so on x86 the prefetch is an asm statement.
+inline void prefetch(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+#ifdef KVSCOPE_SIMD
+namespace simd {
+
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+using V = __m512;
+using I = __m512i;
+inline V zero() { return _mm512_setzero_ps(); }
+inline V set1(float x) { return _mm512_set1_ps(x); }
+inline V load(const float* p) { return _mm512_loadu_ps(p); }
+inline V load(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V min(V a, V b) { return _mm512_min_ps(a, b); }
+inline V max(V a, V b) { return _mm512_max_ps(a, b); }
+inline V floor(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline I to_int(V a) { return _mm512_cvttps_epi32(a); }
+inline V pow2(I n) {  // 2^n for integer n in float range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+}
+// The 16 lanes folded to 8.
+inline __m256 fold(V v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+constexpr int64_t W = 8;
+using V = __m256;
+using I = __m256i;
+inline V zero() { return _mm256_setzero_ps(); }
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline V load(const float* p) { return _mm256_loadu_ps(p); }
+inline V load(const bf16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
+inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V min(V a, V b) { return _mm256_min_ps(a, b); }
+inline V max(V a, V b) { return _mm256_max_ps(a, b); }
+inline V floor(V a) { return _mm256_floor_ps(a); }
+inline I to_int(V a) { return _mm256_cvttps_epi32(a); }
+inline V pow2(I n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
 }
+inline __m256 fold(V v) { return v; }
 #endif
 
-// Scores of the `group` query heads (qf: [group, dim], scaled) against the `n` keys of
-// one block, into s[g * stride + t]. Returns false when the vector path does not apply.
+// exp(x), Cephes' range reduction and degree-5 polynomial (relative error ~2e-7).
+// Inputs below -87.3 give ~0 rather than 0, which the softmax cannot tell apart.
+inline V exp(V x) {
+  x = max(min(x, set1(88.37626f)), set1(-87.33654f));
+  V n = floor(fmadd(x, set1(1.44269504088896341f), set1(0.5f)));
+  x = sub(x, mul(n, set1(0.693359375f)));
+  x = sub(x, mul(n, set1(-2.12194440e-4f)));
+  V y = set1(1.9875691500e-4f);
+  y = fmadd(y, x, set1(1.3981999507e-3f));
+  y = fmadd(y, x, set1(8.3334519073e-3f));
+  y = fmadd(y, x, set1(4.1665795894e-2f));
+  y = fmadd(y, x, set1(1.6666665459e-1f));
+  y = fmadd(y, x, set1(5.0000001201e-1f));
+  y = fmadd(y, mul(x, x), add(x, set1(1.0f)));
+  return mul(y, pow2(to_int(n)));
+}
+
+// Eight 8-lane vectors to one vector of their eight sums, in order.
+inline __m256 sum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+}  // namespace simd
+#endif
+
+// What one work item needs: the query group, and scratch for one block.
+struct Scratch {
+  std::vector<float> qf;     // [group, dim], scaled, float32
+  std::vector<float> rows;   // [block_size, dim], the scalar path's converted keys/values
+  std::vector<float> scores; // [group, block_size]
+  Scratch(int64_t group, int64_t dim, int64_t block_size)
+      : qf(group * dim), rows(block_size * dim), scores(group * block_size) {}
+};
+
 template <typename T>
-inline bool block_scores_fast(const float* qf, const T* keys, int64_t key_stride, int64_t n,
-                              int64_t group, int64_t dim, float* s, int64_t stride) {
-#ifdef KVSCOPE_AVX2
-  if (dim % 8 != 0) return false;
-  for (int64_t t = 0; t < n; ++t) {
-    const T* k = keys + t * key_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* q = qf + g * dim;
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= dim; d += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), acc1);
-      }
-      if (d < dim) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc0);
-      s[g * stride + t] = hsum(_mm256_add_ps(acc0, acc1));
-    }
-  }
-  return true;
+struct Problem {
+  const T* q;
+  const T* kc;
+  const T* vc;
+  const int64_t* tables;
+  const int32_t* lens;
+  int64_t heads, dim, block_size, kv_heads, group, max_blocks;
+  int64_t qs0, qs1, ks0, ks1, ks2, vs0, vs1, vs2;
+  float scale;
+
+  bool vector_path() const {
+#ifdef KVSCOPE_SIMD
+    return dim % simd::W == 0;
 #else
-  return false;
+    return false;
 #endif
-}
+  }
 
-// acc[g, :] += sum over t of p[g * stride + t] * values[t, :]. False: not applicable.
-template <typename T>
-inline bool block_values_fast(const float* p, const T* values, int64_t value_stride, int64_t n,
-                              int64_t group, int64_t dim, float* acc, int64_t stride) {
-#ifdef KVSCOPE_AVX2
-  if (dim % 8 != 0) return false;
-  for (int64_t t = 0; t < n; ++t) {
-    const T* v = values + t * value_stride;
-    for (int64_t d = 0; d < dim; d += 8) {
-      const __m256 vv = load8(v + d);
+  // scores[g * block_size + t] for the n keys of one block (keys[t * ks1]), scaled.
+  void block_scores(Scratch& w, const T* qraw, const T* keys, int64_t n,
+                    float* scores) const {
+#ifdef KVSCOPE_SIMD
+    if (vector_path()) {
       for (int64_t g = 0; g < group; ++g) {
-        float* a = acc + g * dim + d;
-        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[g * stride + t]), vv,
-                                            _mm256_loadu_ps(a)));
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+          const T* k[8];  // past the block's end, repeat its last key; its sum is unused
+          for (int64_t i = 0; i < 8; ++i) k[i] = keys + std::min(t0 + i, n - 1) * ks1;
+          float sums[8];
+          if (!dot8_bf16(qraw + g * qs1, k, sums)) dot8(&w.qf[g * dim], k, sums);
+          std::memcpy(&scores[g * block_size + t0], sums, sizeof(float) * std::min<int64_t>(8, n - t0));
+        }
+      }
+      return;
+    }
+#endif
+    (void)qraw;
+    float* rows = w.rows.data();
+    for (int64_t t = 0; t < n; ++t) load_row(keys + t * ks1, &rows[t * dim], dim);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t t = 0; t < n; ++t) scores[g * block_size + t] = dot(&w.qf[g * dim], &rows[t * dim], dim);
+  }
+
+#ifdef KVSCOPE_SIMD
+  // The scaled float query against eight keys.
+  void dot8(const float* qf, const T* const* k, float* sums) const {
+    simd::V acc[8];
+    for (auto& a : acc) a = simd::zero();
+    for (int64_t d = 0; d < dim; d += simd::W) {
+      const simd::V qv = simd::load(qf + d);
+      for (int i = 0; i < 8; ++i) acc[i] = simd::fmadd(qv, simd::load(k[i] + d), acc[i]);
+    }
+    __m256 folded[8];
+    for (int i = 0; i < 8; ++i) folded[i] = simd::fold(acc[i]);
+    _mm256_storeu_ps(sums, simd::sum8(folded));
+  }
+
+  // The raw bfloat16 query against eight bfloat16 keys with VDPBF16PS; false where that
+  // instruction or this dtype is not there.
+  bool dot8_bf16(const T* qraw, const T* const* k, float* sums) const {
+#ifdef KVSCOPE_AVX512_BF16
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (dim % 32 != 0) return false;
+      __m512 acc[8];
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qraw + d);
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(k[i] + d));
+      }
+      __m256 folded[8];
+      for (int i = 0; i < 8; ++i) folded[i] = simd::fold(acc[i]);
+      _mm256_storeu_ps(sums, _mm256_mul_ps(simd::sum8(folded), _mm256_set1_ps(scale)));
+      return true;
+    }
+#endif
+    (void)qraw, (void)k, (void)sums;
+    return false;
+  }
+#endif
+
+  // acc[g, :] += sum over t of p[g * block_size + t] * values[t * vs1, :].
+  void block_values(Scratch& w, const T* values, int64_t n, const float* p, float* acc) const {
+#ifdef KVSCOPE_SIMD
+    if (vector_path()) {
+      using namespace simd;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* pg = p + g * block_size;
+        float* a = acc + g * dim;
+        int64_t d = 0;
+        for (; d + 4 * W <= dim; d += 4 * W) {  // four independent FMA chains
+          V a0 = load(a + d), a1 = load(a + d + W), a2 = load(a + d + 2 * W),
+            a3 = load(a + d + 3 * W);
+          for (int64_t t = 0; t < n; ++t) {
+            const T* v = values + t * vs1 + d;
+            const V pt = set1(pg[t]);
+            a0 = fmadd(pt, load(v), a0);
+            a1 = fmadd(pt, load(v + W), a1);
+            a2 = fmadd(pt, load(v + 2 * W), a2);
+            a3 = fmadd(pt, load(v + 3 * W), a3);
+          }
+          store(a + d, a0), store(a + d + W, a1), store(a + d + 2 * W, a2), store(a + d + 3 * W, a3);
+        }
+        for (; d < dim; d += W) {
+          V a0 = load(a + d);
+          for (int64_t t = 0; t < n; ++t) a0 = fmadd(set1(pg[t]), load(values + t * vs1 + d), a0);
+          store(a + d, a0);
+        }
+      }
+      return;
+    }
+#endif
+    for (int64_t t = 0; t < n; ++t) load_row(values + t * vs1, &w.rows[t * dim], dim);
+    for (int64_t g = 0; g < group; ++g) {
+      float* a = acc + g * dim;
+      for (int64_t t = 0; t < n; ++t) {
+        const float pt = p[g * block_size + t];
+        const float* v = &w.rows[t * dim];
+        for (int64_t d = 0; d < dim; ++d) a[d] += pt * v[d];
       }
     }
   }
-  return true;
-#else
-  return false;
+
+  // s[t] = exp(s[t] - m) for t < n.
+  static void exp_shifted(float* s, int64_t n, float m) {
+    int64_t t = 0;
+#ifdef KVSCOPE_SIMD
+    const simd::V mv = simd::set1(m);
+    for (; t + simd::W <= n; t += simd::W) simd::store(s + t, simd::exp(simd::sub(simd::load(s + t), mv)));
 #endif
-}
+    for (; t < n; ++t) s[t] = std::exp(s[t] - m);
+  }
+
+  // Asks for a block's keys and values ahead of their use: the blocks are scattered, so
+  // the hardware prefetcher does not see them coming.
+  void prefetch_block(int64_t block, int64_t h) const {
+    prefetch_rows(kc + block * ks0 + h * ks2, ks1);
+    prefetch_rows(vc + block * vs0 + h * vs2, vs1);
+  }
+  void prefetch_rows(const T* base, int64_t stride) const {
+    const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < block_size; ++t) {
+      const char* row = reinterpret_cast<const char*>(base + t * stride);
+      for (int64_t at = 0; at < row_bytes; at += 64) prefetch(row + at);
+    }
+  }
+
+  // Blocks [j_begin, j_end) of sequence b under KV head h: the unnormalised sums into
+  // acc [group, dim], the running max and sum into run_max / run_sum [group].
+  void attend(Scratch& w, int64_t b, int64_t h, int64_t j_begin, int64_t j_end, float* acc,
+              float* run_max, float* run_sum) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const T* qraw = q + b * qs0 + h * group * qs1;
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < dim; ++d) w.qf[g * dim + d] = to_float(qraw[g * qs1 + d]) * scale;
+    std::fill(acc, acc + group * dim, 0.0f);
+    std::fill(run_max, run_max + group, neg_inf);
+    std::fill(run_sum, run_sum + group, 0.0f);
+    const int64_t len = lens[b];
+    float* scores = w.scores.data();
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      const int64_t block = tables[b * max_blocks + j];
+      const int64_t n = std::min(block_size, len - j * block_size);
+      if (j + 1 < j_end) prefetch_block(tables[b * max_blocks + j + 1], h);
+      block_scores(w, qraw, kc + block * ks0 + h * ks2, n, scores);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = &scores[g * block_size];
+        float block_max = neg_inf;
+        for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+        const float new_max = std::max(run_max[g], block_max);
+        if (new_max > run_max[g]) {
+          const float correction = std::exp(run_max[g] - new_max);  // 0 on the first block
+          run_sum[g] *= correction;
+          float* a = &acc[g * dim];
+          for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
+          run_max[g] = new_max;
+        }
+        exp_shifted(s, n, new_max);
+        float sum = 0;
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        run_sum[g] += sum;
+      }
+      block_values(w, vc + block * vs0 + h * vs2, n, scores, acc);
+    }
+  }
+};
 
 template <typename T>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -130,82 +377,95 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
             const at::Tensor& context_lens, double scale) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
-  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
-  const T* q = query.data_ptr<T>();
-  const T* kc = key_cache.data_ptr<T>();
-  const T* vc = value_cache.data_ptr<T>();
+  const Problem<T> pb{query.data_ptr<T>(),
+                      key_cache.data_ptr<T>(),
+                      value_cache.data_ptr<T>(),
+                      block_tables.data_ptr<int64_t>(),
+                      context_lens.data_ptr<int32_t>(),
+                      heads,
+                      dim,
+                      block_size,
+                      kv_heads,
+                      heads / kv_heads,
+                      block_tables.size(1),
+                      query.stride(0),
+                      query.stride(1),
+                      key_cache.stride(0),
+                      key_cache.stride(1),
+                      key_cache.stride(2),
+                      value_cache.stride(0),
+                      value_cache.stride(1),
+                      value_cache.stride(2),
+                      static_cast<float>(scale)};
+  const int64_t group = pb.group;
   T* o = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
-  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1),
-                vs2 = value_cache.stride(2);
-  const float fscale = static_cast<float>(scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+  auto write_out = [&](int64_t b, int64_t h, int64_t g, const float* acc, float inv) {
+    T* dst = o + b * os0 + (h * group + g) * os1;
+    for (int64_t d = 0; d < dim; ++d) from_float(acc[d] * inv, &dst[d]);
+  };
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), rows(block_size * dim);
-    std::vector<float> scores(group * block_size), run_max(group), run_sum(group);
+  // How many spans a sequence is cut into (see MIN_SPAN_TOKENS).
+  const int64_t pairs = batch * kv_heads, threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, pb.lens[b]);
+  const int64_t longest_blocks = (longest + block_size - 1) / block_size;
+  int64_t span_blocks = std::max<int64_t>(longest_blocks, 1);
+  if (pairs < 2 * threads) {
+    const int64_t wanted = (2 * threads + pairs - 1) / pairs;
+    const int64_t min_blocks = (MIN_SPAN_TOKENS + block_size - 1) / block_size;
+    span_blocks = std::max((longest_blocks + wanted - 1) / wanted, min_blocks);
+  }
+  const int64_t spans = std::max<int64_t>((longest_blocks + span_blocks - 1) / span_blocks, 1);
+
+  if (spans == 1) {
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      Scratch w(group, dim, block_size);
+      std::vector<float> acc(group * dim), run_max(group), run_sum(group);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / kv_heads, h = item % kv_heads;
+        const int64_t num_blocks = (pb.lens[b] + block_size - 1) / block_size;
+        pb.attend(w, b, h, 0, num_blocks, acc.data(), run_max.data(), run_sum.data());
+        for (int64_t g = 0; g < group; ++g)
+          write_out(b, h, g, &acc[g * dim], run_sum[g] > 0 ? 1.0f / run_sum[g] : 0.0f);
+      }
+    });
+    return;
+  }
+
+  // Spans: partial results per (pair, span), then one merge per pair.
+  std::vector<float> part_acc(pairs * spans * group * dim), part_max(pairs * spans * group),
+      part_sum(pairs * spans * group);
+  at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(group, dim, block_size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[b];
+      const int64_t pair = item / spans, span = item % spans;
+      const int64_t b = pair / kv_heads, h = pair % kv_heads;
+      const int64_t num_blocks = (pb.lens[b] + block_size - 1) / block_size;
+      const int64_t j_begin = std::min(span * span_blocks, num_blocks);
+      const int64_t j_end = std::min(j_begin + span_blocks, num_blocks);
+      pb.attend(w, b, h, j_begin, j_end, &part_acc[item * group * dim], &part_max[item * group],
+                &part_sum[item * group]);
+    }
+  });
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = q + b * qs0 + (h * group + g) * qs1;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(run_max.begin(), run_max.end(), neg_inf);
-      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const int64_t block = tables[b * max_blocks + j];
-        const int64_t n = std::min(block_size, len - j * block_size);
-        const T* keys = kc + block * ks0 + h * ks2;
-        if (!block_scores_fast(qf.data(), keys, ks1, n, group, dim, scores.data(), block_size)) {
-          for (int64_t t = 0; t < n; ++t) load_row(keys + t * ks1, &rows[t * dim], dim);
-          for (int64_t g = 0; g < group; ++g)
-            for (int64_t t = 0; t < n; ++t)
-              scores[g * block_size + t] = dot(&qf[g * dim], &rows[t * dim], dim);
+        float m = neg_inf;
+        for (int64_t s = 0; s < spans; ++s) m = std::max(m, part_max[(pair * spans + s) * group + g]);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float sum = 0;
+        for (int64_t s = 0; s < spans; ++s) {
+          const int64_t at = (pair * spans + s) * group + g;
+          if (part_max[at] == neg_inf) continue;  // an empty span (a shorter sequence)
+          const float weight = std::exp(part_max[at] - m);
+          sum += weight * part_sum[at];
+          const float* a = &part_acc[at * dim];
+          for (int64_t d = 0; d < dim; ++d) acc[d] += weight * a[d];
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = &scores[g * block_size];
-          float block_max = neg_inf;
-          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
-          const float new_max = std::max(run_max[g], block_max);
-          if (new_max > run_max[g]) {
-            const float correction = std::exp(run_max[g] - new_max);  // 0 on the first block
-            run_sum[g] *= correction;
-            float* a = &acc[g * dim];
-            for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
-            run_max[g] = new_max;
-          }
-          float sum = 0;
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = std::exp(s[t] - new_max);
-            sum += s[t];
-          }
-          run_sum[g] += sum;
-        }
-        const T* values = vc + block * vs0 + h * vs2;
-        if (block_values_fast(scores.data(), values, vs1, n, group, dim, acc.data(), block_size))
-          continue;
-        for (int64_t t = 0; t < n; ++t) load_row(values + t * vs1, &rows[t * dim], dim);
-        for (int64_t g = 0; g < group; ++g) {
-          float* a = &acc[g * dim];
-          const float* s = &scores[g * block_size];
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = s[t];
-            const float* v = &rows[t * dim];
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = o + b * os0 + (h * group + g) * os1;
-        const float inv = run_sum[g] > 0 ? 1.0f / run_sum[g] : 0.0f;
-        for (int64_t d = 0; d < dim; ++d) from_float(acc[g * dim + d] * inv, &dst[d]);
+        write_out(pair / kv_heads, pair % kv_heads, g, acc.data(), sum > 0 ? 1.0f / sum : 0.0f);
       }
     }
   });
@@ -235,10 +495,23 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
   if (query.scalar_type() == at::kFloat) {
     decode<float>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
   } else if (query.scalar_type() == at::kBFloat16) {
-    decode<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+    decode<bf16>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, not ", query.scalar_type());
   }
+}
+
+// The instruction set the vector path was built for.
+std::string paged_decode_isa() {
+#if defined(KVSCOPE_AVX512_BF16)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(KVSCOPE_SIMD)
+  return "avx2";
+#else
+  return "scalar";
+#endif
 }
 
 }  // namespace
@@ -247,6 +520,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.def("paged_decode_isa() -> str", &paged_decode_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("paged_decode", &paged_decode); }
