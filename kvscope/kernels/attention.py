@@ -66,17 +66,18 @@ def build_metadata(
     """Metadata for sequences laid out in order, those with `length == 1` first.
 
     `starts[i]` is how many tokens of sequence i are already in the cache, `lengths[i]`
-    how many this step adds, `block_tables[i]` its blocks.
+    how many this step adds, `block_tables[i]` its blocks. A decode row's slot is one
+    Python expression; a prefill chunk's slots are computed as tensors, not token by
+    token (a 512-token chunk took ~0.4 ms a step in Python).
     """
-    slots: list[int] = []
-    for start, length, table in zip(starts, lengths, block_tables, strict=True):
-        for pos in range(start, start + length):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-
     num_decode = 0
     while num_decode < len(lengths) and lengths[num_decode] == 1:
         num_decode += 1
+    decode_slots = [
+        block_tables[i][starts[i] // block_size] * block_size + starts[i] % block_size
+        for i in range(num_decode)
+    ]
+    slot_pieces = [torch.tensor(decode_slots, dtype=torch.long)]
     decode_tables = decode_mask = lens = None
     if num_decode:
         context = [starts[i] + 1 for i in range(num_decode)]
@@ -94,16 +95,19 @@ def build_metadata(
         start, length = starts[i], lengths[i]
         context_len = start + length
         num_blocks = -(-context_len // block_size)
-        blocks = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long, device=device)
+        blocks = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long)
+        positions = torch.arange(start, context_len)
+        slot_pieces.append(blocks[positions // block_size] * block_size + positions % block_size)
         mask = None
         if start:
             q_pos = torch.arange(start, context_len, device=device)
             k_pos = torch.arange(context_len, device=device)
             mask = k_pos[None, :] <= q_pos[:, None]
-        prefills.append(PrefillSpan(row, row + length, blocks, context_len, mask))
+        prefills.append(PrefillSpan(row, row + length, blocks.to(device), context_len, mask))
         row += length
+    slot_mapping = torch.cat(slot_pieces) if len(slot_pieces) > 1 else slot_pieces[0]
     return AttentionMetadata(
-        slot_mapping, num_decode, decode_tables, decode_mask, lens, tuple(prefills)
+        slot_mapping.to(device), num_decode, decode_tables, decode_mask, lens, tuple(prefills)
     )
 
 

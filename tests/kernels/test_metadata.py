@@ -1,0 +1,56 @@
+"""`build_metadata`: where each token of a step goes in the paged cache, and what each
+decode row and prefill chunk attends over."""
+
+from __future__ import annotations
+
+import torch
+
+from kvscope.kernels.attention import build_metadata
+
+BLOCK = 4
+
+
+def slot(table: list[int], position: int) -> int:
+    return table[position // BLOCK] * BLOCK + position % BLOCK
+
+
+def test_slots_rows_and_spans_of_a_mixed_step() -> None:
+    # Two decode rows (one at a block's last slot, one at a new block's first), a
+    # prompt's first chunk, and a later chunk of another prompt that crosses blocks.
+    tables = [[7, 2], [5, 9, 1], [3, 8, 6], [0, 4, 10, 11]]
+    starts = [3, 8, 0, 5]
+    lengths = [1, 1, 6, 9]
+    meta = build_metadata(
+        starts=starts,
+        lengths=lengths,
+        block_tables=tables,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    expected = [
+        slot(table, position)
+        for table, start, length in zip(tables, starts, lengths, strict=True)
+        for position in range(start, start + length)
+    ]
+    assert meta.slot_mapping.dtype == torch.long
+    assert meta.slot_mapping.tolist() == expected
+    assert meta.num_decode == 2
+    assert meta.decode_tables is not None and meta.decode_context_lens is not None
+    assert meta.decode_tables.tolist() == [[7, 2, 0], [5, 9, 1]]
+    assert meta.decode_context_lens.tolist() == [4, 9]
+    first, later = meta.prefills
+    assert (first.start, first.end, first.context_len, first.mask) == (2, 8, 6, None)
+    assert first.blocks.tolist() == [3, 8]
+    assert (later.start, later.end, later.context_len) == (8, 17, 14)
+    assert later.blocks.tolist() == [0, 4, 10, 11]
+    assert later.mask is not None and later.mask.shape == (9, 14)
+    # Row q (position 5 + q) sees positions 0 .. 5 + q.
+    assert later.mask.sum(dim=1).tolist() == [6 + q for q in range(9)]
+
+
+def test_an_empty_step_has_no_slots() -> None:
+    meta = build_metadata(
+        starts=[], lengths=[], block_tables=[], block_size=BLOCK, device=torch.device("cpu")
+    )
+    assert meta.slot_mapping.tolist() == [] and meta.slot_mapping.dtype == torch.long
+    assert meta.num_decode == 0 and meta.prefills == ()
