@@ -5,15 +5,22 @@ On a CPU, a bfloat16 matrix multiply is only fast where the CPU converts bfloat1
 hardware (AVX-512 or AVX-NE-CONVERT). There oneDNN takes the weights prepacked
 (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`). Elsewhere (AVX2,
 as on the 2-core benchmark machine) torch's bfloat16 GEMM goes a row at a time: at 32
-rows it measured ~4x slower than a float32 GEMM, while for 1 to 4 rows (a decode step of
+rows it measured ~4x slower than a float32 GEMM, while for 1 to 3 rows (a decode step of
 a few sequences, memory-bound) the bfloat16 weights, half the bytes, are faster. So
-there a float32 copy of each weight serves inputs of `WIDE_ROWS` rows or more (the
-activations are widened, multiplied, and rounded back to bfloat16, as bfloat16 GEMMs
-accumulate in float32 anyway), as long as the copies fit in `WIDE_COPY_BUDGET`.
+there each weight gets a float32 copy (`wide`), and, where oneDNN can prepack float32
+weights, a prepacked form of that copy (`wide_packed`): inputs of `PACKED_WIDE_ROWS`
+rows or more go through the prepacked copy, and only if it is missing through the plain
+copy from `WIDE_ROWS` rows. The activations are widened, multiplied, and rounded back
+to bfloat16, as bfloat16 GEMMs accumulate in float32 anyway. The plain copy stays for
+`models/slicing.py`, which multiplies column slices of it. Prepacking matters because
+MKL's float32 GEMM repacks the weights on every call, which at 32 rows costs more than
+the multiply (one reference-model layer's linears at 32 rows: 2.6 ms prepacked against
+3.6 ms). The copies are made while they fit in `WIDE_COPY_BUDGET` (the prepacked one
+first to go).
 
 Every fast layout is checked once, at `plan` time, against `F.linear` on random rows
-within `TOLERANCE`; one that does not hold is dropped with a log line, and `F.linear`
-serves. Other dtypes and devices always use `F.linear`.
+within `TOLERANCE`; one that does not hold is dropped with a log line, and the next
+layout down (or `F.linear`) serves. Other dtypes and devices always use `F.linear`.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ log = logging.getLogger(__name__)
 #: From this many rows a float32 copy beats torch's bfloat16 GEMM on an AVX2 CPU
 #: (measured at 4 and 8 rows: 2.7 vs 3.4 ms and 6.6 vs 4.0 ms for one layer's linears).
 WIDE_ROWS = 6
+#: From this many rows the prepacked float32 copy beats the bfloat16 GEMM (one layer's
+#: linears, AVX2, 2 threads: 1.4 / 1.3 ms at 3 rows, 1.5 / 1.8 at 4, 1.2 / 3.2 at 8).
+PACKED_WIDE_ROWS = 4
 #: The most memory the float32 copies may take, in bytes.
 WIDE_COPY_BUDGET = 4 << 30
 #: Largest difference allowed, relative to the largest output, against `F.linear`.
@@ -43,6 +53,7 @@ class Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None  # oneDNN prepacked
         self.wide: torch.Tensor | None = None  # float32 copy
+        self.wide_packed: torch.Tensor | None = None  # oneDNN prepacked float32 copy
         self.wide_bias: torch.Tensor | None = None
 
     @property
@@ -51,15 +62,24 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.wide is not None and x.shape[0] >= WIDE_ROWS:
+            return _prepacked(x, self.packed, self.bias)
+        rows = x.shape[0]
+        if self.wide_packed is not None and rows >= PACKED_WIDE_ROWS:
+            return _prepacked(x.float(), self.wide_packed, self.wide_bias).to(x.dtype)
+        if self.wide is not None and rows >= WIDE_ROWS:
             return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def layout(self) -> str:
-        return (
-            "prepacked" if self.packed is not None else "wide" if self.wide is not None else "plain"
-        )
+        if self.packed is not None:
+            return "prepacked"
+        if self.wide is not None:
+            return "wide-prepacked" if self.wide_packed is not None else "wide"
+        return "plain"
+
+
+def _prepacked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def plan(linears: Sequence[Linear]) -> str:
@@ -72,37 +92,62 @@ def plan(linears: Sequence[Linear]) -> str:
     if _bf16_prepack_supported():
         for linear in linears:
             linear.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight)
-            _verify(linear)
-    elif sum(lin.weight.numel() for lin in linears) * 4 <= WIDE_COPY_BUDGET:
-        for linear in linears:
-            linear.wide = linear.weight.float()
-            linear.wide_bias = None if linear.bias is None else linear.bias.float()
-            _verify(linear)
-    chosen = sorted({linear.layout() for linear in linears})
-    return "+".join(chosen)
+            if not _verify(linear):
+                linear.packed = None
+        return _layouts(linears)
+    float32_bytes = sum(lin.weight.numel() for lin in linears) * 4
+    if float32_bytes > WIDE_COPY_BUDGET:
+        return _layouts(linears)
+    prepack = 2 * float32_bytes <= WIDE_COPY_BUDGET and _float32_prepack_supported()
+    for linear in linears:
+        linear.wide = linear.weight.float()
+        linear.wide_bias = None if linear.bias is None else linear.bias.float()
+        if prepack:
+            linear.wide_packed = torch.ops.mkldnn._reorder_linear_weight(linear.wide)
+            if _verify(linear):
+                continue
+            linear.wide_packed = None
+        if not _verify(linear):
+            linear.wide = linear.wide_bias = None
+    return _layouts(linears)
 
 
-def _bf16_prepack_supported() -> bool:
+def _layouts(linears: Sequence[Linear]) -> str:
+    return "+".join(sorted({linear.layout() for linear in linears}))
+
+
+def _prepack_supported(dtype: torch.dtype) -> bool:
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
     except (RuntimeError, AttributeError):
         return False
     return True
 
 
-def _verify(linear: Linear) -> None:
-    """Drop the fast layouts of `linear` unless they agree with `F.linear`."""
+def _bf16_prepack_supported() -> bool:
+    return _prepack_supported(torch.bfloat16)
+
+
+def _float32_prepack_supported() -> bool:
+    return _prepack_supported(torch.float32)
+
+
+def _verify(linear: Linear) -> bool:
+    """Whether `linear`, as it is laid out now, agrees with `F.linear` (on rows that take
+    each of its layouts); logs the layout that does not."""
     generator = torch.Generator().manual_seed(0)
     in_features = linear.weight.shape[1]
-    for rows in (1, WIDE_ROWS + 3):
+    for rows in (1, PACKED_WIDE_ROWS, WIDE_ROWS + 3):
         x = torch.randn(rows, in_features, generator=generator).to(linear.weight.dtype)
         ref = F.linear(x, linear.weight, linear.bias).float()
         error = ((linear(x).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
         if not error <= TOLERANCE[linear.weight.dtype]:
             log.warning(
-                "a %s linear layer differs from F.linear by %.1e; it uses F.linear",
+                "a %s linear layer differs from F.linear by %.1e at %d rows; it does not "
+                "use that layout",
                 linear.layout(),
                 error,
+                rows,
             )
-            linear.packed = linear.wide = linear.wide_bias = None
-            return
+            return False
+    return True

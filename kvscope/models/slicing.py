@@ -14,7 +14,9 @@ met (the quickest of a few calls at 1 and `PROBE_ROWS` rows), so the number of p
 follows this machine and this thread count. Only CPU tensors are sliced: elsewhere the
 forward does not wait for its kernels, so timing a call says nothing. A piece has at
 least `MIN_COLUMNS` columns, and the pieces are views of the weights (no copy) for the
-plain and float32-copy layouts; a prepacked weight is sliced in its plain form.
+plain and float32-copy layouts; a prepacked weight is sliced in its plain form, and a
+prepacked float32 copy as the plain float32 copy beside it (the probe times the
+prepacked one, ~10 % quicker at the hundreds of rows that get sliced).
 """
 
 from __future__ import annotations

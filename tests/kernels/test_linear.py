@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels import linear
-from kvscope.kernels.linear import WIDE_ROWS, Linear, plan
+from kvscope.kernels.linear import PACKED_WIDE_ROWS, WIDE_ROWS, Linear, plan
 
 
 def linears(dtype: torch.dtype, bias: bool = True) -> list[Linear]:
@@ -21,10 +21,15 @@ def linears(dtype: torch.dtype, bias: bool = True) -> list[Linear]:
     return out
 
 
-@pytest.mark.parametrize("rows", [1, WIDE_ROWS - 1, WIDE_ROWS, 33])
+FAST_LAYOUTS = ("wide-prepacked", "wide", "prepacked")
+
+
+@pytest.mark.parametrize(
+    "rows", [1, PACKED_WIDE_ROWS - 1, PACKED_WIDE_ROWS, WIDE_ROWS - 1, WIDE_ROWS, 33]
+)
 def test_bfloat16_layouts_match_f_linear(rows: int) -> None:
     layers = linears(torch.bfloat16)
-    assert plan(layers) in ("wide", "prepacked")
+    assert plan(layers) in FAST_LAYOUTS
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     layer = layers[0]
     ours, ref = layer(x), F.linear(x, layer.weight, layer.bias)
@@ -56,3 +61,46 @@ def test_the_float32_copies_respect_their_budget(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(linear, "WIDE_COPY_BUDGET", 0)
     monkeypatch.setattr(linear, "_bf16_prepack_supported", lambda: False)
     assert plan(linears(torch.bfloat16)) == "plain"
+
+
+def test_without_float32_prepacking_the_plain_copy_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "_bf16_prepack_supported", lambda: False)
+    monkeypatch.setattr(linear, "_float32_prepack_supported", lambda: False)
+    layers = linears(torch.bfloat16)
+    assert plan(layers) == "wide"
+    x = torch.randn(WIDE_ROWS, 64).to(torch.bfloat16)
+    expected = F.linear(x.float(), layers[0].weight.float(), layers[0].bias.float())
+    assert torch.equal(layers[0](x), expected.to(torch.bfloat16))
+
+
+def test_the_prepacked_copy_is_the_first_to_go_over_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(linear, "_bf16_prepack_supported", lambda: False)
+    layers = linears(torch.bfloat16)
+    float32_bytes = sum(layer.weight.numel() for layer in layers) * 4
+    monkeypatch.setattr(linear, "WIDE_COPY_BUDGET", float32_bytes)  # room for one copy
+    assert plan(layers) == "wide"
+    assert all(layer.wide_packed is None and layer.wide is not None for layer in layers)
+
+
+@pytest.mark.skipif(
+    not linear._float32_prepack_supported(), reason="oneDNN cannot prepack float32 here"
+)
+def test_a_failing_prepacked_copy_falls_back_to_the_plain_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The prepacked float32 copy is checked first; when it fails, the plain float32
+    copy is checked on its own and serves."""
+    monkeypatch.setattr(linear, "_bf16_prepack_supported", lambda: False)
+    checked: list[str] = []
+    real_verify = linear._verify
+
+    def verify(layer: Linear) -> bool:
+        checked.append(layer.layout())
+        return layer.layout() != "wide-prepacked" and real_verify(layer)
+
+    monkeypatch.setattr(linear, "_verify", verify)
+    layers = linears(torch.bfloat16)
+    assert plan(layers) == "wide"
+    assert checked == ["wide-prepacked", "wide"] * len(layers)
