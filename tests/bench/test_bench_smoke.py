@@ -41,7 +41,9 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_throughput_smoke(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out, plot = tmp_path / "t.json", tmp_path / "t.png"
     argv = [
         "bench",
@@ -64,6 +66,8 @@ def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
         "1",
         "--peers",
         "transformers,vllm,kvscope-serve",
+        "--worker",
+        "thread,process",
         "--vllm-python",
         str(tmp_path / "no-vllm" / "python"),
         "--log-dir",
@@ -85,16 +89,21 @@ def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
     for figures in run["step_overhead"].values():
         assert 0 <= figures["outside_forward_share"] <= 1
     assert run["stats_after"]["kv_blocks_in_use"] == 0
-    (served,) = r["kvscope_serve"]
-    assert all(lv["output_tokens"] == lv["requests"] * 4 for lv in served["levels"])
-    for lv in served["levels"]:  # the light client's own CPU, reported per level
-        assert lv["client_cpu_s"] >= 0 and 0 <= lv["client_cpu_share"] <= 1
-    cold = served["cold_start"]
-    assert 0 < cold["ready_s"] <= cold["first_token_s"]
-    assert (
-        served["load_average"]["before"] is not None
-        and "--model-threads" in served["settings"]["argv"]
-    )
+    # Each worker is served and measured on its own.
+    assert [served["worker"] for served in r["kvscope_serve"]] == ["thread", "process"]
+    for served in r["kvscope_serve"]:
+        assert all(lv["output_tokens"] == lv["requests"] * 4 for lv in served["levels"])
+        for lv in served["levels"]:  # the light client's own CPU, reported per level
+            assert lv["client_cpu_s"] >= 0 and 0 <= lv["client_cpu_share"] <= 1
+        cold = served["cold_start"]
+        assert 0 < cold["ready_s"] <= cold["first_token_s"]
+        argv_served = served["settings"]["argv"]
+        assert served["load_average"]["before"] is not None and "--model-threads" in argv_served
+        assert argv_served[argv_served.index("--worker") + 1] == served["worker"]
+    printed = capsys.readouterr().out
+    assert "| kvscope serve (HTTP) " in printed
+    assert "| kvscope serve, process worker (HTTP) " in printed
+    thread_served = r["kvscope_serve"][0]
     (hf,) = r["transformers"]
     assert hf["one_at_a_time"]["output_tokens"] == 4 and hf["static_batch"][0]["batch"] == 2
     assert "vllm" in r["missing"] and "not installed" in r["missing"]["vllm"]
@@ -102,6 +111,9 @@ def test_throughput_smoke(tiny_checkpoint: Path, tmp_path: Path) -> None:
     for c in ("1", "2"):  # served is compared with served; vLLM is missing here
         level = head["levels"][c]
         assert level["kvscope_serve_tokens_per_s"] > 0 and level["engine_tokens_per_s"] > 0
+        # The headline takes the first worker given.
+        thread_level = next(lv for lv in thread_served["levels"] if lv["concurrency"] == int(c))
+        assert level["kvscope_serve_tokens_per_s"] == thread_level["tokens_per_s"]
         assert level["vllm_tokens_per_s"] is None and level["x_vllm"] is None
     assert "x_transformers_one_at_a_time" in head
     assert r["format"] == 2 and load(out).as_dict() == r

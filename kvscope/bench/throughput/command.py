@@ -6,7 +6,8 @@ prompt token ids, each phase alone on the machine: `kvscope serve` and vLLM's CP
 (streaming `/v1/completions`); kvscope's engine in-process, as its own row (never the
 target); `transformers` `generate` one request at a time and as a static batch. The
 headline compares kvscope served with vLLM served at every concurrency (tokens/s and
-TTFT p50). Also: the step loop's overhead, the client's CPU seconds per level, the time
+TTFT p50), with the first `--worker` given; each other worker is its own served row.
+Also: the step loop's overhead, the client's CPU seconds per level, the time
 from spawning `kvscope serve` to its first token, and the load average around each
 phase. Prints tables, writes `--json` and `--plot`. The peers' modules are imported
 only when their phase runs.
@@ -45,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
         "--hf-requests", type=int, default=4, help="requests for transformers one at a time"
+    )
+    p.add_argument(
+        "--worker",
+        default="thread",
+        help="where kvscope serve runs the model: thread, process (comma-separated, each "
+        "measured; the first is the one the headline compares with vLLM)",
     )
     p.add_argument(
         "--peers",
@@ -112,17 +119,20 @@ async def _http_peer(
     )
 
 
-def serve_phase(args: argparse.Namespace, model: str, levels, threads: int) -> ServedRun:
+def serve_phase(
+    args: argparse.Namespace, model: str, levels, threads: int, worker: str
+) -> ServedRun:
     server = servers.kvscope_server(
         model,
         threads=threads,
         dtype=args.dtype,
-        log_path=args.log_dir / f"kvscope-serve-{threads}.log",
-        extra=["--max-num-seqs", str(max(ints(args.concurrency)))],
+        log_path=args.log_dir / f"kvscope-serve-{threads}-{worker}.log",
+        extra=["--max-num-seqs", str(max(ints(args.concurrency))), "--worker", worker],
     )
-    print(f"kvscope serve (HTTP), {threads} thread(s) ...", flush=True)
+    print(f"kvscope serve (HTTP), {threads} thread(s), {worker} worker ...", flush=True)
     timeout = args.level_timeout
-    return anyio.run(_http_peer, server, None, levels, timeout, "kvscope serve", threads)
+    run = anyio.run(_http_peer, server, None, levels, timeout, "kvscope serve", threads)
+    return attrs.evolve(run, worker=worker)
 
 
 def hf_phase(
@@ -202,7 +212,11 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
         engine_runs.append(anyio.run(partial(engine, timeout=args.level_timeout)))
     served = []
     if "kvscope-serve" in peers:
-        served = [serve_phase(args, model, levels, t) for t in ints(args.threads)]
+        served = [
+            serve_phase(args, model, levels, t, worker.strip())
+            for t in ints(args.threads)
+            for worker in args.worker.split(",")
+        ]
     hf = hf_phase(args, model, vocab, levels, missing) if "transformers" in peers else []
     vllm, vllm_version = vllm_phase(args, model, levels, missing) if "vllm" in peers else ([], None)
     return ThroughputResult(

@@ -51,6 +51,7 @@ def level_headline(ours: Level | None, peer: Level | None, engine: Level | None)
 
 
 def threads_headline(result: ThroughputResult, run: EngineRun) -> ThreadsHeadline:
+    # The first served run of this thread count: that of the first `--worker` given.
     served = next((r.levels for r in result.kvscope_serve if r.threads == run.threads), [])
     vllm = next((r.levels for r in result.vllm if r.threads == run.threads), [])
     levels = {

@@ -5,20 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.plots import pyplot, save
-from .records import Level, ThroughputResult, level_of
+from .records import EngineRun, Level, ServedRun, ThroughputResult, level_of
 
 
 def _series(r: ThroughputResult) -> list[tuple[str, list[float | None]]]:
     conc = r.config.concurrency
     series: list[tuple[str, list[float | None]]] = []
-    for label, runs in (
-        ("kvscope engine", r.kvscope),
-        ("kvscope serve", r.kvscope_serve),
-        ("vLLM CPU", r.vllm),
-    ):
-        series += [
-            (f"{label}, {run.threads}T", [_tps(run.levels, c) for c in conc]) for run in runs
-        ]
+    runs: list[tuple[str, EngineRun | ServedRun]] = [("kvscope engine", run) for run in r.kvscope]
+    runs += [(run.label, run) for run in r.kvscope_serve]
+    runs += [("vLLM CPU", run) for run in r.vllm]
+    series += [
+        (f"{label}, {run.threads}T", [_tps(run.levels, c) for c in conc]) for label, run in runs
+    ]
     for hf in r.transformers:
         static = {b.batch: b.tokens_per_s for b in hf.static_batch}
         one = hf.one_at_a_time.tokens_per_s

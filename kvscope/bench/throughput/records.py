@@ -79,6 +79,18 @@ class ServedRun(Record):
     cold_start: ColdStart | None = None
     settings: ServerSettings | None = None
     load_average: LoadAround | None = None
+    #: `kvscope serve --worker` (thread or process); None for vLLM, and in files written
+    #: before it was recorded (those ran the thread worker).
+    worker: str | None = None
+
+    @property
+    def label(self) -> str:
+        """kvscope serve's name in the tables: the worker is named when it is a process."""
+        return (
+            "kvscope serve"
+            if self.worker in (None, "thread")
+            else f"kvscope serve, {self.worker} worker"
+        )
 
 
 @attrs.frozen(kw_only=True)

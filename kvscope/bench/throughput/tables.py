@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..core.tables import table
-from .records import Level, ServedRun, ThroughputResult, level_of
+from .records import EngineRun, Level, ServedRun, ThroughputResult, level_of
 
 
 def _tps(levels: list[Level], c: int) -> float | None:
@@ -18,9 +18,11 @@ def _pct(x: float | None) -> str:
 def tokens_table(r: ThroughputResult) -> list[str]:
     conc = r.config.concurrency
     vllm = f"vLLM CPU {r.machine.vllm or ''} (HTTP)"
-    rows: list[list[object]] = []
-    for label, runs in (("kvscope serve (HTTP)", r.kvscope_serve), (vllm, r.vllm)):
-        rows += [[label, run.threads, *[_tps(run.levels, c) for c in conc]] for run in runs]
+    rows: list[list[object]] = [
+        [f"{run.label} (HTTP)", run.threads, *[_tps(run.levels, c) for c in conc]]
+        for run in r.kvscope_serve
+    ]
+    rows += [[vllm, run.threads, *[_tps(run.levels, c) for c in conc]] for run in r.vllm]
     for engine in r.kvscope:
         label = "kvscope (engine API, in-process)"
         rows.append([label, engine.threads, *[_tps(engine.levels, c) for c in conc]])
@@ -43,18 +45,16 @@ def tokens_table(r: ThroughputResult) -> list[str]:
 
 def latency_table(r: ThroughputResult) -> list[str]:
     rows = []
-    systems = (
-        ("kvscope serve (HTTP)", r.kvscope_serve),
-        ("vLLM CPU (HTTP)", r.vllm),
-        ("kvscope (engine API)", r.kvscope),
-    )
-    for label, runs in systems:
-        for run in runs:
-            for lv in run.levels:
-                ttft, itl = lv.ttft_ms, lv.itl_ms
-                cpu = "-" if lv.client_cpu_s is None else lv.client_cpu_s
-                row = [label, run.threads, lv.concurrency, ttft.p50, ttft.p99, itl.p50, itl.p99]
-                rows.append([*row, cpu, _pct(lv.client_cpu_share)])
+    systems: list[tuple[str, ServedRun | EngineRun]]
+    systems = [(f"{run.label} (HTTP)", run) for run in r.kvscope_serve]
+    systems += [("vLLM CPU (HTTP)", run) for run in r.vllm]
+    systems += [("kvscope (engine API)", run) for run in r.kvscope]
+    for label, run in systems:
+        for lv in run.levels:
+            ttft, itl = lv.ttft_ms, lv.itl_ms
+            cpu = "-" if lv.client_cpu_s is None else lv.client_cpu_s
+            row = [label, run.threads, lv.concurrency, ttft.p50, ttft.p99, itl.p50, itl.p99]
+            rows.append([*row, cpu, _pct(lv.client_cpu_share)])
     headers = ["system", "threads", "concurrent", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
     return [
         "",
@@ -79,7 +79,7 @@ def _start_row(label: str, run: ServedRun) -> list[object]:
 
 
 def servers_table(r: ThroughputResult) -> list[str]:
-    rows = [_start_row("kvscope serve", run) for run in r.kvscope_serve]
+    rows = [_start_row(run.label, run) for run in r.kvscope_serve]
     rows += [_start_row("vLLM CPU", run) for run in r.vllm]
     headers = ["server", "threads", "ready s", "first token s", "load before", "load after", "env"]
     return [
