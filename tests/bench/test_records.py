@@ -92,7 +92,8 @@ def test_peer_launchers_stay_out_of_other_commands() -> None:
 
 def test_a_format_1_cancel_run_knows_its_worker() -> None:
     """Format 1 had no `worker` field: it is read from the `--server-arg`s of the run."""
-    workers = {p.name: [r.worker for r in load(p).runs] for p in SAVED if "worker" in p.name}
+    cancel_runs = [p for p in SAVED if p.name.startswith("cancel-") and "worker" in p.name]
+    workers = {p.name: [r.worker for r in load(p).runs] for p in cancel_runs}
     assert workers == {
         "cancel-2026-11-30-worker-process-128.json": ["process"],
         "cancel-2026-11-30-worker-process.json": ["process"],
