@@ -68,7 +68,7 @@ def build_metadata(
     `starts[i]` is how many tokens of sequence i are already in the cache, `lengths[i]`
     how many this step adds, `block_tables[i]` its blocks. A decode row's slot is one
     Python expression; a prefill chunk's slots are computed as tensors, not token by
-    token (a 512-token chunk took ~0.4 ms a step in Python).
+    token (a small saving: ~0.06 ms of a mixed step's ~0.5 ms of metadata).
     """
     num_decode = 0
     while num_decode < len(lengths) and lengths[num_decode] == 1:

@@ -90,17 +90,17 @@ def test_the_prepacked_copy_is_the_first_to_go_over_budget(
 def test_a_failing_prepacked_copy_falls_back_to_the_plain_one(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The prepacked float32 copy is checked first; when it fails, the plain float32
-    copy is checked on its own and serves."""
+    """A prepacked float32 copy that computes the wrong thing (here: packed from twice
+    the weight) fails its check at load; the plain float32 copy is then checked on its
+    own and serves, with the right result."""
     monkeypatch.setattr(linear, "_bf16_prepack_supported", lambda: False)
-    checked: list[str] = []
-    real_verify = linear._verify
-
-    def verify(layer: Linear) -> bool:
-        checked.append(layer.layout())
-        return layer.layout() != "wide-prepacked" and real_verify(layer)
-
-    monkeypatch.setattr(linear, "_verify", verify)
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_reorder_linear_weight", lambda weight, *a: reorder(weight * 2, *a)
+    )
     layers = linears(torch.bfloat16)
     assert plan(layers) == "wide"
-    assert checked == ["wide-prepacked", "wide"] * len(layers)
+    assert "a wide-prepacked linear layer differs from F.linear" in caplog.text
+    x = torch.randn(WIDE_ROWS, 64).to(torch.bfloat16)
+    expected = F.linear(x.float(), layers[0].weight.float(), layers[0].bias.float())
+    assert torch.equal(layers[0](x), expected.to(torch.bfloat16))
