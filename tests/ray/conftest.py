@@ -2,8 +2,8 @@
 
 One cluster per test session (starting Ray and loading two engines takes a minute on
 this machine): the `kvscope serve --replicas 2` command in a subprocess, which starts
-a small local Ray (4 logical CPUs, no dashboard), deploys two replicas of the bundled
-model with 64-block KV pools, and on SIGINT stops Serve (each replica drains) and
+a small local Ray (4 logical CPUs, no dashboard), deploys two replicas of a long-context
+copy of the bundled model (see `long_context_model`), and on SIGINT stops Serve (each replica drains) and
 Ray. Every test ends with a leak check on every replica: no block in use, no live
 request, no request task. Tests talk to it with real clients through Serve's proxy.
 Each test module skips, saying why, when Ray Serve is not installed (this file
@@ -35,8 +35,12 @@ REPLICAS = 2
 START_TIMEOUT = 300.0
 #: Each replica's `--drain-timeout`: a rolling redeploy lets streams run this long.
 DRAIN_TIMEOUT = 3.0
-#: A request that runs for a long time unless cancelled (the pool caps it at ~1000).
-LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+#: Positions of the served copy of the bundled model, and tokens of each replica's pool.
+LONG_CONTEXT = 16384
+#: A request that runs for minutes unless cancelled: a test's roll or fault takes ~10-20
+#: s, and a 1,000-token stream (the bundled model's limit) ended on its own before a
+#: rolling redeploy had drained its replica about one run in five.
+LONG = {"max_tokens": LONG_CONTEXT - 64, "ignore_eos": True, "temperature": 0}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -118,16 +122,36 @@ def _free_port() -> int:
         sock.close()
 
 
+def long_context_model(directory: Path) -> Path:
+    """The bundled model's files with `max_position_embeddings` raised to LONG_CONTEXT
+    (rotary positions extend; the text past 1,024 tokens is of no interest here)."""
+    bundled = ROOT / "kvscope" / "models" / "bundled"
+    directory.mkdir(parents=True, exist_ok=True)
+    for source in bundled.iterdir():
+        (directory / source.name).symlink_to(source)
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        settings = json.loads((bundled / name).read_text())
+        settings[key] = LONG_CONTEXT
+        (directory / name).unlink()
+        (directory / name).write_text(json.dumps(settings, indent=2))
+    return directory
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("ray") / "serve.log"
+    model = long_context_model(tmp_path_factory.mktemp("long-context-model"))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvscope.cli", "serve", "--replicas", str(REPLICAS)]
-            + ["--port", str(port), "--ray-cpus", "4", "--num-kv-blocks", "64"]
+            + ["--port", str(port), "--ray-cpus", "4", "--model", str(model)]
+            + ["--kv-cache-tokens", str(LONG_CONTEXT)]
             + ["--drain-timeout", str(DRAIN_TIMEOUT)]
             + ["--model-threads", "1", "--log-level", "WARNING"],
             cwd=ROOT,
