@@ -80,13 +80,14 @@ def measure(
     """One server setting: start it, run the rounds, turn the records into figures."""
     stamp = f"{threads}-{worker}-{int(time.time())}"
     audit = args.log_dir / f"cancel-audit-{stamp}.jsonl"
-    extra = ["--max-num-seqs", str(max(64, args.requests)), "--worker", worker, *args.server_arg]
+    extra = ["--max-num-seqs", str(max(64, args.requests)), *args.server_arg]
     server = servers.kvscope_server(
         model,
         threads=threads,
         dtype=args.dtype,
         audit_log=audit,
         log_path=args.log_dir / f"cancel-serve-{stamp}.log",
+        worker=worker,
         extra=extra,
     )
     print(

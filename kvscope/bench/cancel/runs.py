@@ -112,6 +112,7 @@ async def bench_server(
     """(with cancels, baseline, after) of one server, the rounds pooled."""
     runs: dict[str, list[RawRun]] = {"with_cancels": [], "baseline": []}
     async with server:
+        await server.settled()
         await warm_up(server, args, vocab)
         for i in range(args.rounds):
             order = ("with_cancels", "baseline") if i % 2 == 0 else ("baseline", "with_cancels")

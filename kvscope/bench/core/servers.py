@@ -4,6 +4,11 @@ vLLM peer's launcher lives with `bench throughput`, the only command that starts
 Each runs as a child process on 127.0.0.1 with its output in a log file; `Server` is a
 context manager that starts it, waits until it answers, and on the way out terminates
 the process it started (and only that one), killing it if it does not exit in time.
+
+A server answers before it is fully up: `kvscope serve --worker process` serves its
+first steps in its own process while the model worker loads (the cold start is timed
+that way, as a user meets it). `Server.settled()` waits for the rest, so that a figure
+said to be the process worker's is the process worker's.
 """
 
 from __future__ import annotations
@@ -13,13 +18,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import anyio
 import attrs
 
 from .http import wait_ready
 from .records import Record
+from .workload import Deadline
 
 
 def free_port() -> int:
@@ -46,6 +54,7 @@ class Server:
         log_path: Path,
         env: dict[str, str] | None = None,
         start_timeout: float = 600,
+        settle: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.argv = argv
         self.ready_path = ready_path
@@ -54,6 +63,7 @@ class Server:
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
+        self._settle = settle
         self.process: subprocess.Popen[bytes] | None = None
         #: perf_counter() when the process was spawned and when it first answered.
         self.spawned_at: float | None = None
@@ -80,6 +90,14 @@ class Server:
             raise
         self.ready_at = time.perf_counter()
         return self
+
+    async def settled(self) -> float | None:
+        """Wait until the server is fully up (see the module's docstring); the seconds
+        from spawning it, or None if it has nothing left to wait for."""
+        if self._settle is None or self.spawned_at is None:
+            return None
+        await self._settle(self.base_url)
+        return time.perf_counter() - self.spawned_at
 
     async def __aexit__(self, *exc: object) -> None:
         with anyio.CancelScope(shield=True):
@@ -109,6 +127,7 @@ def kvscope_server(
     dtype: str,
     log_path: Path,
     audit_log: Path | None = None,
+    worker: str = "thread",
     extra: list[str] | None = None,
 ) -> Server:
     port = free_port()
@@ -131,9 +150,28 @@ def kvscope_server(
         str(threads),
         "--log-level",
         "WARNING",
+        "--worker",
+        worker,
     ]
     if audit_log is not None:
         argv += ["--audit-log", str(audit_log)]
     return Server(
-        argv + (extra or []), ready_path="/health", port=port, log_path=log_path, start_timeout=180
+        argv + (extra or []),
+        ready_path="/health",
+        port=port,
+        log_path=log_path,
+        start_timeout=180,
+        settle=wait_for_worker if worker == "process" else None,
     )
+
+
+async def wait_for_worker(base_url: str, timeout: float = 300) -> None:
+    """Poll `GET /stats` until the model worker process is ready (`worker_pid` set)."""
+    deadline = Deadline(timeout)
+    async with aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while not deadline.passed:
+            async with session.get("/stats") as response:
+                if response.status == 200 and (await response.json()).get("worker_pid"):
+                    return
+            await anyio.sleep(0.1)
+    raise TimeoutError(f"{base_url}: the model worker was not ready after {timeout:.0f} s")

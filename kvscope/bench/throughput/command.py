@@ -98,8 +98,12 @@ async def _http_peer(
         assert server.spawned_at is not None and server.ready_at is not None
         ready = server.ready_at - server.spawned_at
         # The first request is sent once the server is ready: its TTFT is added.
+        first_token = ready + (first.ttft_ms.p50 or 0) / 1e3
+        fully_up = await server.settled()
         cold = ColdStart(
-            ready_s=round(ready, 2), first_token_s=round(ready + (first.ttft_ms.p50 or 0) / 1e3, 2)
+            ready_s=round(ready, 2),
+            first_token_s=round(first_token, 2),
+            fully_up_s=None if fully_up is None else round(fully_up, 2),
         )
         print(f"  {label} threads={threads} cold start: {cold}", flush=True)
         for c, workload in levels:
@@ -127,7 +131,8 @@ def serve_phase(
         threads=threads,
         dtype=args.dtype,
         log_path=args.log_dir / f"kvscope-serve-{threads}-{worker}.log",
-        extra=["--max-num-seqs", str(max(ints(args.concurrency))), "--worker", worker],
+        worker=worker,
+        extra=["--max-num-seqs", str(max(ints(args.concurrency)))],
     )
     print(f"kvscope serve (HTTP), {threads} thread(s), {worker} worker ...", flush=True)
     timeout = args.level_timeout

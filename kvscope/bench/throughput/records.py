@@ -60,10 +60,14 @@ class EngineRun(Record):
 
 @attrs.frozen(kw_only=True)
 class ColdStart(Record):
-    """Seconds from spawning the server to its answering, and to its first token."""
+    """Seconds from spawning the server to its answering, to its first token, and (a
+    server that finishes starting while it serves, as `kvscope serve --worker process`
+    does) to its being fully up, which the levels wait for; None where nothing is left
+    to wait for."""
 
     ready_s: float
     first_token_s: float
+    fully_up_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -72,6 +72,7 @@ def _start_row(label: str, run: ServedRun) -> list[object]:
         run.threads,
         cold and cold.ready_s,
         cold and cold.first_token_s,
+        (cold and cold.fully_up_s) or "-",
         load and load.before,
         load and load.after,
         env or "-",
@@ -81,11 +82,13 @@ def _start_row(label: str, run: ServedRun) -> list[object]:
 def servers_table(r: ThroughputResult) -> list[str]:
     rows = [_start_row(run.label, run) for run in r.kvscope_serve]
     rows += [_start_row("vLLM CPU", run) for run in r.vllm]
-    headers = ["server", "threads", "ready s", "first token s", "load before", "load after", "env"]
+    headers = ["server", "threads", "ready s", "first token s", "fully up s"]
+    headers += ["load before", "load after", "env"]
     return [
         "",
-        "Servers: seconds from spawning to answering and to the first token; "
-        "load average around the phase",
+        "Servers: seconds from spawning to answering, to the first token, and to being fully "
+        "up (the model worker process ready; the levels wait for it); load average around "
+        "the phase",
         "",
         table(headers, rows),
     ]
