@@ -27,6 +27,7 @@ from anyio.abc import TaskStatus
 from hypercorn.config import Config as HypercornConfig
 
 from kvscope import Engine
+from kvscope.scheduling import ask_for_short_slices
 
 from .app import create_app
 from .context import ServerContext
@@ -90,6 +91,7 @@ class Server:
             # server: keep it out of the cyclic collector's full passes, which grow
             # with the heap and stall the event loop (seen: 100-300 ms in a big heap).
             gc.freeze()
+            self._ask_for_short_slices()
             ctx: ServerContext = app.extensions["kvscope"]
             async with anyio.create_task_group() as tg:
                 tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
@@ -109,6 +111,18 @@ class Server:
                 await serve_app(app, config, self.settings.backend, self._stop_serving.wait)
                 tg.cancel_scope.cancel()
             log.info("kvscope stopped serving; closing the engine")
+
+    def _ask_for_short_slices(self) -> None:
+        """The loop's thread asks the scheduler for short slices (`kvscope.scheduling`),
+        once the engine is up: the model's threads started before keep the default."""
+        seconds = self.settings.loop_slice
+        if seconds is None:
+            return
+        why_not = ask_for_short_slices(seconds)
+        if why_not is None:
+            log.info("event loop thread: %.1f ms scheduler slices", seconds * 1e3)
+        else:
+            log.info("event loop thread: the scheduler's default slices (%s)", why_not)
 
     def request_shutdown(self) -> None:
         """Begin the graceful shutdown (call from the server's event loop)."""

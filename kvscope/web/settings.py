@@ -8,9 +8,12 @@ to the secret key. The engine's settings travel separately as `Engine.open` kwar
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import attrs
 from attrs import validators as v
+
+from kvscope.scheduling import LOOP_SLICE
 
 
 def key_id(key: str) -> str:
@@ -23,6 +26,13 @@ def _keys(value: object) -> dict[str, str]:
         return dict(value)
     keys = [k.strip() for k in (value or ()) if k and k.strip()]  # type: ignore[attr-defined]
     return {key_id(k): k for k in keys}
+
+
+def _slice_seconds(
+    _: object, attribute: attrs.Attribute[float | None], value: float | None
+) -> None:
+    if value is not None and not 0.0001 <= value <= 0.1:
+        raise ValueError(f"{attribute.name} must be None or 0.0001-0.1 s, not {value!r}")
 
 
 #: Seconds between two samples of the event loop's lag (and of `bench cancel`'s
@@ -46,5 +56,10 @@ class ServerSettings:
     graceful_timeout: float = attrs.field(default=5.0, validator=v.gt(0.0))
     #: Seconds between two event-loop lag samples of the monitor task.
     lag_interval: float = attrs.field(default=LAG_INTERVAL, validator=v.gt(0.0))
+    #: The scheduler slice the event loop's thread asks for, in seconds (None: the
+    #: default; see `kvscope.scheduling`).
+    loop_slice: float | None = attrs.field(
+        default=cast("float | None", LOOP_SLICE), validator=_slice_seconds
+    )
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))

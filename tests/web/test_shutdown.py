@@ -18,6 +18,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
+from kvscope.scheduling import LOOP_SLICE, current_slice
+
 from .conftest import BACKENDS, LONG, sse_events, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +128,7 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str, tmp_path: Pat
         for reader in readers:
             assert reader.started.wait(60), reader.kind
             assert reader.error is None, reader.error
+        _check_slices(process.pid, worker_pid)
         process.send_signal(signal.SIGTERM)
         for reader in readers:
             reader.join(60)
@@ -155,6 +158,17 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str, tmp_path: Pat
     assert "KV blocks still in use" not in stderr
     if worker_pid is not None:  # stopped and reaped by the server: no orphan
         assert not Path(f"/proc/{worker_pid}").exists()
+
+
+def _check_slices(server_pid: int, worker_pid: int | None) -> None:
+    """The server's event loop thread (its main thread) runs on short scheduler slices,
+    and every thread of the model worker process on the default (`kvscope.scheduling`)."""
+    if current_slice() is None:
+        return  # this kernel has no per-thread slices
+    assert current_slice(server_pid) == LOOP_SLICE
+    if worker_pid is not None:
+        for tid in os.listdir(f"/proc/{worker_pid}/task"):
+            assert current_slice(int(tid)) == current_slice(), tid
 
 
 def _wait_for_worker(url: str) -> int:
