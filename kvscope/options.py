@@ -14,6 +14,7 @@ import inspect
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -49,7 +50,11 @@ def _value_type(annotation: Any) -> type:
     return annotation
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, defaults: Mapping[str, tuple[Any, str]] | None = None
+) -> None:
+    """The model's and `EngineConfig`'s options; `defaults` gives a command its own
+    default for a field: name -> (the value, what the help says it is)."""
     group = parser.add_argument_group("model and engine")
     group.add_argument(
         "--model", default="bundled", help="bundled | tiny-random | a Hugging Face checkpoint dir"
@@ -66,13 +71,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + field.name.replace("_", "-")
         kind = _value_type(hints[field.name])
         help_text = helps.get(field.name, "")
+        default, shown = (defaults or {}).get(field.name, (field.default, "%(default)s"))
         if kind is bool:
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
         else:
-            shown = "" if field.default is None else " (default: %(default)s)"
-            group.add_argument(flag, type=kind, default=field.default, help=help_text + shown)
+            shown = "" if default is None and field.default is None else f" (default: {shown})"
+            group.add_argument(flag, type=kind, default=default, help=help_text + shown)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

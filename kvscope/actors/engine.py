@@ -291,6 +291,9 @@ class Engine:
             # The model worker process (0 and 0 with worker="thread").
             "worker_pid": getattr(self.runner, "pid", None) or 0,
             "worker_restarts": getattr(self.runner, "restarts", 0),
+            # The memory this process's copy of the model holds: 0 once a model worker
+            # process has taken over (it holds its own).
+            "model_bytes": self.runner.model_bytes,
             # Ended requests kept for look-up by id, and about the bytes they hold.
             "history": self.registry.num_retained,
             "history_bytes": self.registry.retained_bytes,

@@ -95,7 +95,8 @@ async def run_worker(
 ) -> None:
     """The model worker process as a task of the engine's group: the engine serves at
     once (steps run in-process until a worker is ready); a worker that exits is
-    replaced; closing the group stops and reaps the worker."""
+    replaced; one that fails to start leaves the steps to this process for good;
+    closing the group stops and reaps the worker."""
     task_status.started()
     try:
         while True:
@@ -103,7 +104,7 @@ async def run_worker(
                 await anyio.to_thread.run_sync(runner.start, abandon_on_cancel=True)
             except WorkerDied as exc:
                 log.error("%s; steps run in-process", exc)
-                return
+                await anyio.sleep_forever()  # until the engine closes
             await anyio.to_thread.run_sync(runner.wait_exited, abandon_on_cancel=True)
             runner.restarts += 1
             log.warning("the model worker exited; starting a new one (restart %d)", runner.restarts)

@@ -173,6 +173,7 @@ class LlamaModel:
             )
         #: Which weight layouts the linear layers use (`kernels.linear.plan`).
         self.linear_layout = linear.plan(self.linears())
+        self.released = False
         self.cos, self.sin = rotary_tables(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device
         )
@@ -186,6 +187,8 @@ class LlamaModel:
         checkpoint: Checkpoint | None = None,
         slicer: LinearSlicer | None = None,
     ) -> torch.Tensor:
+        if self.released:
+            raise RuntimeError("this copy of the model released its weights (release_weights)")
         c = self.config
         eps = c.rms_norm_eps
         batch = LayerBatch(
@@ -256,16 +259,47 @@ class LlamaModel:
         return linears
 
     def num_parameters(self) -> int:
+        return sum(t.numel() for t in self._tensors(copies=False))
+
+    def weight_bytes(self) -> int:
+        """The memory this copy of the model holds: its weights, the linear layers'
+        float32 and prepacked copies, and the rotary tables."""
+        return sum(t.numel() * t.element_size() for t in self._tensors(copies=True))
+
+    def release_weights(self) -> None:
+        """Free every weight (a model worker process holds its own copy); this copy
+        cannot run a forward again."""
+        self.layers = []
+        self.embed = self.final_norm = self.cos = self.sin = torch.empty(0, dtype=self.dtype)
+        self.lm_head = Linear(self.embed)
+        self.released = True
+
+    def _tensors(self, *, copies: bool) -> list[torch.Tensor]:
+        """Each weight tensor once; with `copies`, also the layouts `plan` added and
+        the rotary tables."""
         tensors = [self.embed, self.final_norm]
+        linears: list[Linear] = []
         if self.lm_head.weight is not self.embed:
             tensors.append(self.lm_head.weight)
+        elif copies:
+            linears.append(self.lm_head)  # its weight is the embedding; its copies are not
         for layer in self.layers:
             for t in attrs.astuple(layer, recurse=False):
                 if isinstance(t, Linear):
-                    tensors.extend(w for w in (t.weight, t.bias) if w is not None)
+                    linears.append(t)
                 elif t is not None:
                     tensors.append(t)
-        return sum(t.numel() for t in tensors)
+        for lin in linears:
+            tensors.extend(w for w in (lin.weight, lin.bias) if w is not None)
+            if copies:
+                tensors += [
+                    w
+                    for w in (lin.packed, lin.wide, lin.wide_packed, lin.wide_bias)
+                    if w is not None
+                ]
+        if copies:
+            tensors += [self.cos, self.sin]
+        return list({id(t): t for t in tensors}.values())
 
 
 def _between(

@@ -111,6 +111,17 @@ class ModelRunner:
         # Resolve the decode kernel now: on the CPU this loads it or starts its build.
         decode_backend(self.device.type)
         log.info("linear layers: %s (kernels/linear.py)", model.linear_layout)
+        self._model_bytes = model.weight_bytes()
+
+    @property
+    def model_bytes(self) -> int:
+        """The memory this runner's model holds (0 once released)."""
+        return 0 if self.model.released else self._model_bytes
+
+    def release_model(self) -> None:
+        """Free the model's weights: this runner cannot run a step again (a model
+        worker process runs them with its own copy)."""
+        self.model.release_weights()
 
     def new_control(self) -> StepControl:
         """The control channel the step actor uses for this runner's steps."""

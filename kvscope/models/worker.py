@@ -21,10 +21,12 @@ What is shared, and how:
   row's token mask before sending the step (`MaskOnly` carries it), and tells the
   grammar the token drawn when the step is done.
 
+Until the first worker is ready the engine's own copy of the model runs the steps, so
+it serves at once; then that copy releases its weights (the model is not held twice).
 If the worker dies, the step in flight fails with `WorkerDied` (its requests end with
-an error; their tasks release their blocks), and the next step starts a new worker
-(`restarts` counts them). A worker that died between steps is replaced before the next
-step, which then runs normally.
+an error; their tasks release their blocks), and a new worker is started (`restarts`
+counts them); steps wait for it. Only if a worker fails to start does the engine load
+the model again and run the steps itself.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kvscope.kernels.sampling import Sampled
 from kvscope.scheduling import default_slice_every_thread
 
 from .llama import StepAborted
+from .loader import load_model
 from .runner import ModelRunner, StepControl, StepInput
 
 log = logging.getLogger(__name__)
@@ -203,8 +206,6 @@ def worker_main(
     the parent is gone."""
     import tqdm
 
-    from .loader import load_model
-
     # tqdm's default lock is a multiprocessing semaphore, which a killed worker would
     # leave registered with the resource tracker; a thread lock is all it needs here.
     tqdm.tqdm.set_lock(threading.RLock())
@@ -260,25 +261,36 @@ def _nice_every_thread(increment: int) -> None:
 class ProcessRunner:
     """(parent) Runs each step in the model worker process; see the module docstring.
 
-    Until a worker is ready (at start-up, and after one died) steps run on `local`, an
-    in-thread `ModelRunner` over the same shared K/V cache, so the engine serves at
-    once and never waits for a worker to boot. `actors/parts.py: run_worker` (in the
-    engine's task group) starts workers and notices when one exits.
+    Until the first worker is ready steps run on `local`, an in-thread `ModelRunner`
+    over the same shared K/V cache, so the engine serves at once and never waits for a
+    worker to boot; once one is ready, `local`'s model releases its weights, and a
+    step that finds no worker (one died, a new one is starting) waits for the next.
+    `actors/parts.py: run_worker` (in the engine's task group) starts workers and
+    notices when one exits.
     """
 
     def __init__(self, spec: WorkerSpec, local: ModelRunner, max_chunks: int) -> None:
         self.spec = spec
         self.local = local
-        local.kv_cache.share_memory()
+        self.kv_cache = local.kv_cache
+        self.kv_cache.share_memory()
         local.gaps.share_memory()
         self.gaps = local.gaps  # the worker counts into the same histogram
+        self.vocab_size = local.model.config.vocab_size
         self._flags = torch.zeros(max_chunks + 1, dtype=torch.uint8).share_memory_()
         self._context = torch.multiprocessing.get_context("spawn")
         self._process: Any = None  # the ready worker, or None
         self._conn: Connection | None = None
         self._lock = threading.Lock()  # guards the two above; held for a whole step
+        self._changed = threading.Condition(self._lock)  # a worker is ready, or none will be
         self._stopping = False
+        self._gave_up = False  # a worker failed to start: no other is coming
         self.restarts = 0
+
+    @property
+    def model_bytes(self) -> int:
+        """The memory the engine's own copy of the model holds (0 once released)."""
+        return self.local.model_bytes
 
     @property
     def pid(self) -> int | None:
@@ -291,10 +303,11 @@ class ProcessRunner:
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         with self._lock:
-            if self._conn is None:
+            if self._conn is None and self._wait_for_worker(control) is None:
                 return self.local.execute(step, control)
+            assert self._conn is not None
             try:
-                sent, guided = _masks_for_worker(step, self.local.model.config.vocab_size)
+                sent, guided = _masks_for_worker(step, self.vocab_size)
                 self._conn.send(_state_as_bytes(sent))
                 sampled = self._receive(step, control)
             except (EOFError, OSError) as exc:
@@ -307,13 +320,40 @@ class ProcessRunner:
                     guide.accept(row.token)
             return sampled
 
+    def _wait_for_worker(self, control: StepControl | None) -> Connection | None:
+        """(lock held) The ready worker's pipe, waiting for one that is starting if the
+        local copy has released its weights; None where the step runs locally (the
+        model loaded again if no worker is coming)."""
+        while self._conn is None and self.local.model.released:
+            if self._stopping:
+                raise WorkerDied("the model worker was stopped")
+            if self._gave_up:
+                log.warning("no model worker: loading the model again to run steps here")
+                loaded = load_model(
+                    self.spec.model,
+                    device=torch.device(self.spec.device),
+                    dtype=self.spec.dtype,
+                    seed=self.spec.seed,
+                )
+                self.local = ModelRunner(
+                    loaded.model,
+                    self.kv_cache,
+                    checkpoint_gap=self.spec.checkpoint_gap,
+                    gaps=self.gaps,
+                )
+                return None
+            if control is not None and control.abort.is_set():
+                raise StepAborted  # everyone in the step left while it waited
+            self._changed.wait(0.02)
+        return self._conn
+
     def start(self) -> None:
         """(blocking) Start a worker and, once its model is loaded, send it the steps."""
         started = time.perf_counter()
         parent, child = self._context.Pipe()
         process = self._context.Process(
             target=worker_main,
-            args=(child, self.spec, self.local.kv_cache, self._flags, self.local.gaps),
+            args=(child, self.spec, self.kv_cache, self._flags, self.gaps),
             name="kvscope-model-worker",
             daemon=True,
         )
@@ -324,14 +364,24 @@ class ProcessRunner:
         except EOFError:
             message = ("failed", "it exited while loading the model")
         with self._lock:
+            self._changed.notify_all()
             if message[0] != "ready" or self._stopping:
                 parent.close()
                 _reap(process, 0.0 if self._stopping else 1.0)
                 if self._stopping:
                     return
+                self._gave_up = True
                 raise WorkerDied(f"the model worker failed to start: {message[1]}")
+            released = self.local.model_bytes
+            self.local.release_model()  # before /stats can show the worker as ready
             self._process, self._conn = process, parent
-        log.info("model worker pid %d ready in %.1f s", process.pid, time.perf_counter() - started)
+        log.info(
+            "model worker pid %d ready in %.1f s; the engine's own copy of the model released"
+            " its weights (%.0f MiB)",
+            process.pid,
+            time.perf_counter() - started,
+            released / 2**20,
+        )
 
     def wait_exited(self) -> None:
         """(blocking) Return when the current worker has exited."""
@@ -347,6 +397,8 @@ class ProcessRunner:
         self._stopping = True
         locked = self._lock.acquire(timeout=STOP_TIMEOUT)
         try:
+            if locked:
+                self._changed.notify_all()
             if self._conn is not None:
                 try:
                     self._conn.send(None)

@@ -101,6 +101,12 @@ class _EngineGauges(Collector):
             "Open SSE and WebSocket streams",
             value=self._metrics.open_streams,
         )
+        yield GaugeMetricFamily(
+            "kvscope_engine_model_bytes",
+            "Memory this process's copy of the model holds (0 once a model worker process"
+            " has taken over)",
+            value=stats["model_bytes"],
+        )
         yield CounterMetricFamily(
             "kvscope_worker_restarts",
             "Model worker processes started to replace one that exited",

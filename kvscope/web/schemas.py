@@ -186,6 +186,10 @@ class Stats(BaseModel):
     tasks: int = Field(description="request tasks running now: 0 when nothing leaked")
     worker_pid: int = Field(description="the model worker process (0 with worker=thread)")
     worker_restarts: int
+    model_bytes: int = Field(
+        description="the memory this process's copy of the model holds (0 once a model worker"
+        " process has taken over)"
+    )
     history: int = Field(description="ended requests kept for look-up by id")
     history_bytes: int
     tokens_generated_total: int

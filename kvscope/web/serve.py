@@ -30,6 +30,14 @@ log = logging.getLogger("kvscope.web")
 #: The prompt of the printed `curl` line: code, which the bundled model does best.
 EXAMPLE_PROMPT = "def fibonacci(n):"
 
+#: Where `kvscope serve` runs the forward unless `--worker` says: a model worker
+#: process for one server, so the event loop never shares a GIL with the forward (32
+#: streams, reference model, served: 267-269 tok/s against 220-230 with a thread,
+#: docs/benchmarks, session 8); a thread in each Ray Serve replica, which is a process
+#: of its own already. (`Engine.open`'s default stays "thread", for embedding.)
+SERVED_WORKER = "process"
+REPLICA_WORKER = "thread"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
@@ -72,7 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="send prompts that share a prefix to one replica where load allows",
     )
-    add_engine_arguments(parser)
+    add_engine_arguments(
+        parser,
+        defaults={"worker": (None, f"{SERVED_WORKER}; {REPLICA_WORKER} with --replicas")},
+    )
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:
@@ -105,6 +116,8 @@ def read_key_file(path: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.worker is None:
+        args.worker = REPLICA_WORKER if args.replicas else SERVED_WORKER
     try:
         settings = settings_from(args)
         kwargs = engine_kwargs(args)

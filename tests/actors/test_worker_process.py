@@ -1,12 +1,15 @@
 """The model worker process (`worker="process"`): the same tokens as the in-thread
 runner, cancellation that frees blocks, a worker killed with SIGKILL (its step's
 requests fail with a clear error, nothing leaks, a new worker serves the next request),
-and an engine closed mid-step (the worker is stopped and reaped). Runs on asyncio and
-trio."""
+an engine closed mid-step (the worker is stopped and reaped), and the engine's own copy
+of the model (it serves until the worker is ready, then releases its weights; it is
+loaded again only if no worker can start). Runs on asyncio and trio."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import anyio
 import pytest
 
 from kvscope import Engine
+from kvscope.models.loader import BUNDLED_DIR
 from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -88,7 +92,8 @@ async def test_a_killed_worker_fails_its_step_and_is_replaced():
             assert result.finish_reason == "length"
         assert engine.stats()["kv_blocks_in_use"] == 0
         assert len(audit_lines(engine, job.id)) == 1
-        # A new worker comes up and serves; meanwhile steps run in-process.
+        # A new worker comes up and serves; meanwhile steps wait for it (the engine's
+        # own copy of the model released its weights when the first worker was ready).
         after = await engine.generate("after", max_tokens=8, temperature=0)
         assert after.finish_reason == "length"
         new_pid = await worker_ready(engine)
@@ -96,6 +101,44 @@ async def test_a_killed_worker_fails_its_step_and_is_replaced():
         assert (await engine.generate("again", max_tokens=8)).finish_reason in ("length", "stop")
         assert gone(pid)
     assert gone(new_pid)
+
+
+async def test_the_engine_releases_its_copy_of_the_model_once_the_worker_is_ready():
+    async with open_engine() as engine:
+        in_thread = engine.stats()["model_bytes"]
+    assert in_thread > 0  # the model runs here, so this copy stays
+    async with open_engine(worker="process") as engine:
+        await worker_ready(engine)
+        assert engine.stats()["model_bytes"] == 0
+        assert (await engine.generate("served", max_tokens=8)).finish_reason in ("length", "stop")
+
+
+async def test_the_model_is_loaded_again_when_no_worker_can_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A worker that cannot start (here: its checkpoint is gone when it restarts) leaves
+    the steps to the engine, which loads the model again and serves."""
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED_DIR, model)
+    weights, hidden = model / "model.safetensors", tmp_path / "hidden.safetensors"
+    caplog.set_level(logging.WARNING)
+    async with open_engine(str(model), worker="process") as engine:
+        pid = await worker_ready(engine)
+        expected = await engine.generate("the same prompt", max_tokens=12, temperature=0)
+        assert engine.stats()["model_bytes"] == 0
+        weights.rename(hidden)
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(
+            lambda: any("failed to start" in r.getMessage() for r in caplog.records),
+            timeout=BOOT,
+            what="the new worker failed",
+        )
+        hidden.rename(weights)
+        again = await engine.generate("the same prompt", max_tokens=12, temperature=0)
+        assert again.token_ids == expected.token_ids
+        assert engine.stats()["model_bytes"] > 0 and engine.stats()["worker_pid"] == 0
+        assert any("loading the model again" in r.getMessage() for r in caplog.records)
+    assert gone(pid)
 
 
 async def test_closing_the_engine_mid_step_stops_the_worker():

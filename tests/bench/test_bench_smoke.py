@@ -11,6 +11,7 @@ import pytest
 
 from kvscope.bench.report import load
 from kvscope.cli import main
+from kvscope.web.serve import SERVED_WORKER
 
 TINY_SHAPE = dict(
     hidden_size=64,
@@ -168,7 +169,7 @@ def test_cancel_smoke(tmp_path: Path) -> None:
         for side in ("with_cancels", "without"):
             assert f["survivors"][key][side]["p99"] is not None
         assert f["survivors"][key]["ratio_p99"] is not None
-    assert f["loop_lag"]["with_cancels"]["samples"] > 0 and f["worker"] == "thread"
+    assert f["loop_lag"]["with_cancels"]["samples"] > 0 and f["worker"] == SERVED_WORKER
     # Hops 2 and 4 of each DELETE (audit stamps against the client's wall clock).
     for hop in ("delete_sent_to_cancelled_ms", "released_to_reply_ms"):
         assert f[hop]["count"] == 3 and f[hop]["p50"] is not None

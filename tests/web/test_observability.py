@@ -31,6 +31,7 @@ def test_stats_metrics_health(live: Live) -> None:
         stats = client.get("/stats").json()
         assert set(Stats.model_json_schema()["properties"]) == set(stats)  # all documented
         assert stats["live_requests"] >= 1 and stats["kv_blocks_in_use"] >= 1
+        assert stats["model_bytes"] > 0  # the model runs in this process (a thread)
         assert (
             stats["kv_blocks_total"]
             == stats["kv_blocks_free"] + stats["kv_blocks_in_use"] + stats["kv_blocks_cached"]
@@ -54,6 +55,7 @@ def test_stats_metrics_health(live: Live) -> None:
         "kvscope_event_loop_lag_seconds_count",
         "kvscope_step_forward_seconds_count",
         "kvscope_worker_restarts_total 0.0",
+        "kvscope_engine_model_bytes ",
         'kvscope_checkpoint_gap_seconds_bucket{le="0.002"}',
     ):
         assert needle in text, needle

@@ -1,6 +1,8 @@
 """SIGTERM on `kvscope serve` with streams in flight: every stream (SSE, OpenAI SSE,
 WebSocket) ends with a final event, each request has its audit line with reason
-`shutdown`, and the process exits 0."""
+`shutdown`, and the process exits 0. With `--worker thread`, and with no `--worker`,
+which serves with a model worker process (the server's own copy of the model released
+once it is ready), stopped and reaped on SIGTERM."""
 
 from __future__ import annotations
 
@@ -81,9 +83,9 @@ class _Reader(threading.Thread):
                     self.started.set()
 
 
-@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize("worker", ["thread", None], ids=["thread", "default"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sigterm_with_streams_in_flight(backend: str, worker: str, tmp_path: Path) -> None:
+def test_sigterm_with_streams_in_flight(backend: str, worker: str | None, tmp_path: Path) -> None:
     audit = tmp_path / "audit.jsonl"
     process = subprocess.Popen(
         [
@@ -104,8 +106,7 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str, tmp_path: Pat
             "--num-kv-blocks",
             "1024",
             "--debug",
-            "--worker",
-            worker,
+            *(["--worker", worker] if worker else []),
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -121,7 +122,7 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str, tmp_path: Pat
             process.stderr.read() if process.poll() is not None and process.stderr else ""
         )
         url = match.group(0)
-        worker_pid = _wait_for_worker(url) if worker == "process" else None
+        worker_pid = _wait_for_worker(url) if worker is None else None
         readers = [_Reader(kind, url) for kind in ("sse", "sse", "openai", "ws")]
         for reader in readers:
             reader.start()
@@ -172,10 +173,12 @@ def _check_slices(server_pid: int, worker_pid: int | None) -> None:
 
 
 def _wait_for_worker(url: str) -> int:
-    """The model worker's pid, once it is ready (it serves in-process until then)."""
+    """The model worker's pid, once it is ready (it serves in-process until then); the
+    server's own copy of the model has released its weights by then."""
     pid = wait_for(
         lambda: httpx.get(url + "/stats").json()["worker_pid"],
         timeout=120,
         what="the model worker to start",
     )
+    assert httpx.get(url + "/stats").json()["model_bytes"] == 0
     return int(pid)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import anyio
 
+from kvscope.web.serve import SERVED_WORKER
+
 from ..core import machine, servers
 from ..core.options import add_common_arguments, ints
 from ..core.workload import vocab_size_of
@@ -31,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, threads="1")
     p.add_argument(
         "--worker",
-        default="thread",
+        default=SERVED_WORKER,
         help="where the server runs the model: thread, process (comma-separated, each measured)",
     )
     p.add_argument("--requests", type=int, default=32, help="concurrent streaming requests")

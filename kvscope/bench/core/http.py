@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -56,8 +57,15 @@ async def served_model(base_url: str) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-async def wait_ready(base_url: str, path: str, timeout: float, alive=lambda: True) -> None:
-    """Poll `path` until it answers 200, the process dies, or `timeout` s pass."""
+async def wait_ready(
+    base_url: str,
+    path: str,
+    timeout: float,
+    alive: Callable[[], bool] = lambda: True,
+    accept: Callable[[Any], bool] | None = None,
+) -> None:
+    """Poll `path` until it answers 200 (and, given `accept`, a JSON body it accepts),
+    the process dies, or `timeout` s pass."""
     deadline = Deadline(timeout)
     async with aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=5)) as session:
         while not deadline.passed:
@@ -65,7 +73,7 @@ async def wait_ready(base_url: str, path: str, timeout: float, alive=lambda: Tru
                 raise RuntimeError(f"the server at {base_url} exited while starting")
             try:
                 async with session.get(path) as response:
-                    if response.status == 200:
+                    if response.status == 200 and (accept is None or accept(await response.json())):
                         return
             except (TimeoutError, aiohttp.ClientError):
                 pass

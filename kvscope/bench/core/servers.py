@@ -21,13 +21,13 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import aiohttp
 import anyio
 import attrs
 
+from kvscope.web.serve import SERVED_WORKER
+
 from .http import wait_ready
 from .records import Record
-from .workload import Deadline
 
 
 def free_port() -> int:
@@ -127,7 +127,7 @@ def kvscope_server(
     dtype: str,
     log_path: Path,
     audit_log: Path | None = None,
-    worker: str = "thread",
+    worker: str = SERVED_WORKER,
     extra: list[str] | None = None,
 ) -> Server:
     port = free_port()
@@ -166,12 +166,7 @@ def kvscope_server(
 
 
 async def wait_for_worker(base_url: str, timeout: float = 300) -> None:
-    """Poll `GET /stats` until the model worker process is ready (`worker_pid` set)."""
-    deadline = Deadline(timeout)
-    async with aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while not deadline.passed:
-            async with session.get("/stats") as response:
-                if response.status == 200 and (await response.json()).get("worker_pid"):
-                    return
-            await anyio.sleep(0.1)
-    raise TimeoutError(f"{base_url}: the model worker was not ready after {timeout:.0f} s")
+    """Wait until `GET /stats` says the model worker process is ready (`worker_pid` set)."""
+    await wait_ready(
+        base_url, "/stats", timeout, accept=lambda stats: bool(stats.get("worker_pid"))
+    )

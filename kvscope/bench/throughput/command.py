@@ -23,6 +23,8 @@ from pathlib import Path
 import anyio
 import attrs
 
+from kvscope.web.serve import SERVED_WORKER
+
 from ..core import machine, servers
 from ..core.options import add_common_arguments, ints
 from ..core.workload import Workload, make_prompts, vocab_size_of
@@ -49,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--worker",
-        default="thread",
+        default=SERVED_WORKER,
         help="where kvscope serve runs the model: thread, process (comma-separated, each "
         "measured; the first is the one the headline compares with vLLM)",
     )
