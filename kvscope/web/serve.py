@@ -153,7 +153,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ModelLoadError and bad engine settings
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        _stop_resource_tracker()
     return 0
+
+
+def _stop_resource_tracker() -> None:
+    """Stop and reap multiprocessing's resource tracker (started with the model worker
+    process). Left to exit after this process, it would be an orphan, which a PID 1 that
+    reaps nothing (a container's) keeps as a zombie. It tracks nothing of ours: the
+    model worker uses no named semaphore or shared_memory segment."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # since Python 3.8
+    if stop is not None:
+        stop()
 
 
 def first_steps(url: str, *, with_key: bool) -> list[str]:

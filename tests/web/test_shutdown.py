@@ -130,6 +130,8 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str | None, tmp_pa
             assert reader.started.wait(60), reader.kind
             assert reader.error is None, reader.error
         _check_slices(process.pid, worker_pid)
+        children = _children(process.pid)
+        assert worker_pid is None or worker_pid in children
         process.send_signal(signal.SIGTERM)
         for reader in readers:
             reader.join(60)
@@ -157,8 +159,21 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str | None, tmp_pa
         record = records[reader.request_id]
         assert record["finish_reason"] == "cancelled" and record["cancel_reason"] == "shutdown"
     assert "KV blocks still in use" not in stderr
-    if worker_pid is not None:  # stopped and reaped by the server: no orphan
-        assert not Path(f"/proc/{worker_pid}").exists()
+    # Every child (the model worker, multiprocessing's resource tracker) was stopped and
+    # reaped by the server: none is left, not even as a zombie.
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], children
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass  # it ended since the listing
+    return children
 
 
 def _check_slices(server_pid: int, worker_pid: int | None) -> None:
