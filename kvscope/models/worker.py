@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 #: Seconds to wait for the step in flight before a stopping worker is killed.
 STOP_TIMEOUT = 5.0
 
+#: How much of the device's free memory a second copy of the model may take while the
+#: worker loads it beside the engine's; past that, the engine's copy goes first.
+SECOND_COPY_SHARE = 0.8
+
 
 class WorkerDied(RuntimeError):
     """The model worker process exited while a step needed it."""
@@ -350,6 +354,16 @@ class ProcessRunner:
     def start(self) -> None:
         """(blocking) Start a worker and, once its model is loaded, send it the steps."""
         started = time.perf_counter()
+        needed, free = self.local.model_bytes, free_memory(torch.device(self.spec.device))
+        if needed and not room_for_a_second_copy(needed, free):
+            with self._lock:
+                self.local.release_model()
+            log.warning(
+                "the model (%.0f MiB) cannot be held twice (%.0f MiB free): the engine's own"
+                " copy is released now, and steps wait for the model worker process",
+                needed / 2**20,
+                (free or 0) / 2**20,
+            )
         parent, child = self._context.Pipe()
         process = self._context.Process(
             target=worker_main,
@@ -432,6 +446,29 @@ class ProcessRunner:
         if conn is not None:
             conn.close()
         return _reap(process, timeout) if process is not None else None
+
+
+def room_for_a_second_copy(model_bytes: int, free_bytes: int | None) -> bool:
+    """Whether the worker may load its copy of the model while the engine holds its own
+    (the engine serves meanwhile); unknown free memory counts as room."""
+    return free_bytes is None or model_bytes <= SECOND_COPY_SHARE * free_bytes
+
+
+def free_memory(device: torch.device) -> int | None:
+    """The bytes a new allocation can take on `device` (Linux's MemAvailable on the CPU,
+    the driver's free memory on CUDA); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _reap(process: Any, timeout: float) -> int | None:
