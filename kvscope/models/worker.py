@@ -56,6 +56,12 @@ log = logging.getLogger(__name__)
 #: Seconds to wait for the step in flight before a stopping worker is killed.
 STOP_TIMEOUT = 5.0
 
+#: Said when a worker exits before it is ready: the usual cause in a script of one's own.
+MAIN_GUARD_HINT = (
+    "a script that opens the engine with worker='process' must do it under"
+    " `if __name__ == '__main__':`, as the worker process imports the script again"
+)
+
 #: How much of the device's free memory a second copy of the model may take while the
 #: worker loads it beside the engine's; past that, the engine's copy goes first.
 SECOND_COPY_SHARE = 0.8
@@ -371,12 +377,20 @@ class ProcessRunner:
             name="kvscope-model-worker",
             daemon=True,
         )
-        process.start()
-        child.close()
+        try:
+            process.start()
+        except OSError as exc:  # the system refused (no memory, too many processes)
+            parent.close()
+            with self._lock:
+                self._gave_up = True
+                self._changed.notify_all()
+            raise WorkerDied(f"the model worker failed to start: cannot spawn it: {exc!r}") from exc
+        finally:
+            child.close()
         try:
             message = parent.recv()
         except EOFError:
-            message = ("failed", "it exited while loading the model")
+            message = ("failed", f"it exited while loading the model ({MAIN_GUARD_HINT})")
         with self._lock:
             self._changed.notify_all()
             if message[0] != "ready" or self._stopping:

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import anyio
@@ -18,6 +19,7 @@ import pytest
 
 from kvscope import Engine
 from kvscope.models.loader import BUNDLED_DIR
+from kvscope.models.worker import MAIN_GUARD_HINT
 from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -139,6 +141,47 @@ async def test_the_model_is_loaded_again_when_no_worker_can_start(
         assert engine.stats()["model_bytes"] > 0 and engine.stats()["worker_pid"] == 0
         assert any("loading the model again" in r.getMessage() for r in caplog.records)
     assert gone(pid)
+
+
+UNGUARDED_SCRIPT = """
+import logging
+import anyio
+from kvscope import Engine
+
+failed = []  # the anyio.Event main() waits on
+
+class Watch(logging.Handler):  # called on the event loop's thread, which logs it
+    def emit(self, record):
+        if "failed to start" in record.getMessage():
+            print("logged:", record.getMessage(), flush=True)
+            failed[0].set()
+
+logging.getLogger("kvscope").addHandler(Watch())
+
+async def main():
+    failed.append(anyio.Event())
+    async with Engine.open("tiny-random", device="cpu", worker="process", model_threads=1) as e:
+        with anyio.fail_after(120):
+            await failed[0].wait()
+        done = await e.generate("hello", max_tokens=4, temperature=0)
+        print("finished:", done.finish_reason, "worker:", e.stats()["worker_pid"], flush=True)
+
+anyio.run(main)  # no `if __name__ == "__main__":` guard
+"""
+
+
+async def test_a_script_without_the_main_guard_is_told_why_and_still_served(tmp_path: Path):
+    script = tmp_path / "script.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = await anyio.run_process([sys.executable, str(script)], check=False)
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, err[-2000:]
+    assert (
+        f"logged: the model worker failed to start: it exited while loading the model ({MAIN_GUARD_HINT})"
+        in out
+    ), out
+    # The engine serves on in its own process.
+    assert "finished: length worker: 0" in out or "finished: stop worker: 0" in out, out
 
 
 async def test_closing_the_engine_mid_step_stops_the_worker():
