@@ -403,13 +403,11 @@ class ProcessRunner:
             released = self.local.model_bytes
             self.local.release_model()  # before /stats can show the worker as ready
             self._process, self._conn = process, parent
-        log.info(
-            "model worker pid %d ready in %.1f s; the engine's own copy of the model released"
-            " its weights (%.0f MiB)",
-            process.pid,
-            time.perf_counter() - started,
-            released / 2**20,
+        freed = (
+            f"; the engine's copy of the model freed {released / 2**20:.0f} MiB" if released else ""
         )
+        elapsed = time.perf_counter() - started
+        log.info("model worker pid %d ready in %.1f s%s", process.pid, elapsed, freed)
 
     def wait_exited(self) -> None:
         """(blocking) Return when the current worker has exited."""
