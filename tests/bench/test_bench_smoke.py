@@ -158,6 +158,8 @@ def test_cancel_smoke(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     (f,) = r["runs"]
     assert f["errors"] == []
+    # The server (on the model worker process) stopped and reaped every child it started.
+    assert f["leaked"]["processes"] == 0
     assert f["deletes"] == 3 and f["disconnects"] == 1 and f["survivor_count"] == 4
     assert f["delete_status"] == {"200": 3}
     assert f["delete_rtt_ms"]["count"] == 3 and f["cancel_to_release_ms_report"]["count"] == 3

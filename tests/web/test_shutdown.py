@@ -20,6 +20,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
+from kvscope.bench.core.servers import child_pids
 from kvscope.scheduling import LOOP_SLICE, current_slice
 
 from .conftest import BACKENDS, LONG, sse_events, wait_for
@@ -130,7 +131,7 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str | None, tmp_pa
             assert reader.started.wait(60), reader.kind
             assert reader.error is None, reader.error
         _check_slices(process.pid, worker_pid)
-        children = _children(process.pid)
+        children = child_pids(process.pid)
         assert worker_pid is None or worker_pid in children
         process.send_signal(signal.SIGTERM)
         for reader in readers:
@@ -162,18 +163,6 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str | None, tmp_pa
     # Every child (the model worker, multiprocessing's resource tracker) was stopped and
     # reaped by the server: none is left, not even as a zombie.
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], children
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass  # it ended since the listing
-    return children
 
 
 def _check_slices(server_pid: int, worker_pid: int | None) -> None:

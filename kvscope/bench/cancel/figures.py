@@ -169,6 +169,7 @@ def leaked(after: dict[str, Any]) -> Leaked:
         running=stats.get("running"),
         waiting=stats.get("waiting"),
         tasks=tasks,
+        processes=after.get("processes_left"),
     )
 
 

@@ -92,6 +92,9 @@ class Leaked(Record):
     running: int | None
     waiting: int | None
     tasks: int | None
+    #: The server's child processes (its model worker ...) still there after it exited
+    #: on SIGTERM; None in files from before it was counted.
+    processes: int | None = None
 
     @property
     def none(self) -> bool:

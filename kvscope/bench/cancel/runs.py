@@ -122,6 +122,7 @@ async def bench_server(
                 plans = make_plans(args, vocab, seed, name != "baseline")
                 runs[name].append(await one_run(server.base_url, plans, args))
         after = await settle(server.base_url)
+    after["processes_left"] = len(server.left_behind)  # counted once it has stopped
     return merge(runs["with_cancels"]), merge(runs["baseline"]), after
 
 

@@ -96,7 +96,8 @@ def _footer(run: CancelRun) -> list[str]:
         "",
         f"After the run: KV blocks in use {fmt(lk.kv_blocks_in_use)}, live requests "
         f"{fmt(lk.live_requests)}, running {fmt(lk.running)}, waiting {fmt(lk.waiting)}, "
-        f"tasks {tasks}",
+        f"tasks {tasks}, processes left by the stopped server "
+        f"{fmt(lk.processes) if lk.processes is not None else 'not counted'}",
     ]
     if run.client is not None:
         cpu, share = run.client.cpu_s, run.client.cpu_share

@@ -3,7 +3,9 @@ vLLM peer's launcher lives with `bench throughput`, the only command that starts
 
 Each runs as a child process on 127.0.0.1 with its output in a log file; `Server` is a
 context manager that starts it, waits until it answers, and on the way out terminates
-the process it started (and only that one), killing it if it does not exit in time.
+the process it started (and only that one), killing it if it does not exit in time;
+`left_behind` then names the processes it had started that outlived it (a model worker
+process, multiprocessing's resource tracker): none, where the server cleans up.
 
 A server answers before it is fully up: `kvscope serve --worker process` serves its
 first steps in its own process while the model worker loads (the cold start is timed
@@ -28,6 +30,7 @@ from kvscope.web.serve import SERVED_WORKER
 
 from .http import wait_ready
 from .records import Record
+from .workload import Deadline
 
 
 def free_port() -> int:
@@ -68,6 +71,8 @@ class Server:
         #: perf_counter() when the process was spawned and when it first answered.
         self.spawned_at: float | None = None
         self.ready_at: float | None = None
+        #: The server's children still there after it exited (set by `stop`).
+        self.left_behind: list[int] = []
         self.settings = ServerSettings(list(argv), dict(env or {}))
 
     async def __aenter__(self) -> Server:
@@ -106,18 +111,38 @@ class Server:
     def stop(self) -> int | None:
         if self.process is None or self.process.poll() is not None:
             return None if self.process is None else self.process.returncode
+        children = child_pids(self.process.pid)
         self.process.terminate()
         try:
-            return self.process.wait(timeout=30)
+            code = self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait(timeout=10)
+            code = self.process.wait(timeout=10)
+        deadline = Deadline(5)  # a child may still be on its way out
+        while (left := [pid for pid in children if Path(f"/proc/{pid}").exists()]) and (
+            not deadline.passed
+        ):
+            time.sleep(0.05)
+        self.left_behind = left
+        return code
 
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; none elsewhere)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass  # it ended since the listing
+    return children
 
 
 def kvscope_server(
