@@ -90,8 +90,12 @@ async def test_a_deep_chain_of_ended_requests_is_walked_without_recursion():
 
 async def test_the_largest_tree_cancels_by_its_roots_timeout():
     async with open_engine(**ENGINE) as engine:
+        # The first step is held until the timeout has fired: on a fast machine the root
+        # could otherwise reach its max_tokens first (seen in CI: finish_reason length).
+        gate = StepGate(engine)
         jobs = await build_largest_tree(engine, timeout=5.0)
         await wait_for(lambda: jobs[0].done, timeout=60)
+        gate.open()
         await settled(engine)
         assert_all_cancelled(engine, jobs, "timeout")
 
