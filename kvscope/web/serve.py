@@ -32,9 +32,10 @@ EXAMPLE_PROMPT = "def fibonacci(n):"
 
 #: Where `kvscope serve` runs the forward unless `--worker` says: a model worker
 #: process for one server, so the event loop never shares a GIL with the forward (32
-#: streams, reference model, served: 267-269 tok/s against 220-230 with a thread,
-#: docs/benchmarks, session 8); a thread in each Ray Serve replica, which is a process
-#: of its own already. (`Engine.open`'s default stays "thread", for embedding.)
+#: streams, reference model, served: 266-269 tok/s in every run, where a thread gave
+#: 220-230 in three runs and 270 in one; docs/benchmarks, sessions 7-9); a thread in
+#: each Ray Serve replica, which is a process of its own already. (`Engine.open`'s
+#: default stays "thread", for embedding.)
 SERVED_WORKER = "process"
 REPLICA_WORKER = "thread"
 
