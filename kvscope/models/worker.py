@@ -187,7 +187,7 @@ def _generators_from_bytes(step: StepInput, states: list[bytes | None]) -> StepI
     return attrs.evolve(step, chunks=chunks)
 
 
-class _WorkerControl:
+class WorkerControl:
     """(worker) What the runner's checkpoints read: the shared control block."""
 
     def __init__(self, flags: np.ndarray) -> None:
@@ -199,9 +199,12 @@ class _WorkerControl:
         self._taken.clear()
 
     def take_cancelled(self) -> set[int]:
-        if not self._chunks.any():
+        # The loop writes these bytes while this reads them: read one copy, since numpy's
+        # nonzero counts twice and raises if the count changed in between.
+        snapshot = self._chunks.copy()
+        if not snapshot.any():
             return set()
-        marked = set(np.flatnonzero(self._chunks).tolist()) - self._taken
+        marked = set(np.flatnonzero(snapshot).tolist()) - self._taken
         self._taken |= marked
         return marked
 
@@ -229,7 +232,7 @@ def worker_main(
             spec.model, device=torch.device(spec.device), dtype=spec.dtype, seed=spec.seed
         )
         runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
-        control = _WorkerControl(flags.numpy())
+        control = WorkerControl(flags.numpy())
     except Exception as exc:
         conn.send(("failed", f"{exc!r}"))
         return
