@@ -69,6 +69,8 @@ def test_throughput_smoke(
         "transformers,vllm,kvscope-serve",
         "--worker",
         "thread,process",
+        "--paired-rounds",
+        "2",
         "--vllm-python",
         str(tmp_path / "no-vllm" / "python"),
         "--log-dir",
@@ -105,7 +107,17 @@ def test_throughput_smoke(
         argv_served = served["settings"]["argv"]
         assert served["load_average"]["before"] is not None and "--model-threads" in argv_served
         assert argv_served[argv_served.index("--worker") + 1] == served["worker"]
+    # The serving path's cost: served and in-process taking turns, with the first worker.
+    (paired,) = r["paired"]
+    assert paired["worker"] == "thread" and paired["rounds"] == 2
+    assert [lv["concurrency"] for lv in paired["levels"]] == [1, 2]
+    for lv in paired["levels"]:
+        served, engine = lv["served_tokens_per_s"], lv["engine_tokens_per_s"]
+        assert len(served) == len(engine) == 2 and min(served + engine) > 0
+        assert lv["ratios"] == [round(s / e, 3) for s, e in zip(served, engine, strict=True)]
+        assert min(lv["ratios"]) <= lv["ratio_median"] <= max(lv["ratios"])
     printed = capsys.readouterr().out
+    assert "The serving path's cost" in printed
     assert "| kvscope serve (HTTP) " in printed
     assert "| kvscope serve, process worker (HTTP) " in printed
     thread_served = r["kvscope_serve"][0]

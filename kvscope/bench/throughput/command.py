@@ -7,6 +7,8 @@ prompt token ids, each phase alone on the machine: `kvscope serve` and vLLM's CP
 target); `transformers` `generate` one request at a time and as a static batch. The
 headline compares kvscope served with vLLM served at every concurrency (tokens/s and
 TTFT p50), with the first `--worker` given; each other worker is its own served row.
+What the serving path costs against the engine in-process is measured apart, with both
+up at once and taking turns (`paired.py`), as the machine's speed drifts between phases.
 Also: the step loop's overhead, the client's CPU seconds per level, the time
 from spawning `kvscope serve` to its first token, and the load average around each
 phase. Prints tables, writes `--json` and `--plot`. The peers' modules are imported
@@ -31,7 +33,8 @@ from ..core.workload import Workload, make_prompts, vocab_size_of
 from .engine_run import run_engine
 from .headline import headline
 from .http_level import run_http_level
-from .records import ColdStart, Config, HfRun, LoadAround, ServedRun, ThroughputResult
+from .paired import run_paired
+from .records import ColdStart, Config, HfRun, LoadAround, PairedRun, ServedRun, ThroughputResult
 from .tables import throughput_tables
 
 
@@ -54,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=SERVED_WORKER,
         help="where kvscope serve runs the model: thread, process (comma-separated, each "
         "measured; the first is the one the headline compares with vLLM)",
+    )
+    p.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=3,
+        help="rounds of kvscope serve (the first --worker) and the engine in-process "
+        "taking turns at each level, for the serving path's cost (0 skips)",
     )
     p.add_argument(
         "--peers",
@@ -125,21 +135,49 @@ async def _http_peer(
     )
 
 
-def serve_phase(
-    args: argparse.Namespace, model: str, levels, threads: int, worker: str
-) -> ServedRun:
-    server = servers.kvscope_server(
+def _kvscope_server(
+    args: argparse.Namespace, model: str, threads: int, worker: str, phase: str = "serve"
+) -> servers.Server:
+    return servers.kvscope_server(
         model,
         threads=threads,
         dtype=args.dtype,
-        log_path=args.log_dir / f"kvscope-serve-{threads}-{worker}.log",
+        log_path=args.log_dir / f"kvscope-{phase}-{threads}-{worker}.log",
         worker=worker,
         extra=["--max-num-seqs", str(max(ints(args.concurrency)))],
     )
+
+
+def serve_phase(
+    args: argparse.Namespace, model: str, levels, threads: int, worker: str
+) -> ServedRun:
+    server = _kvscope_server(args, model, threads, worker)
     print(f"kvscope serve (HTTP), {threads} thread(s), {worker} worker ...", flush=True)
     timeout = args.level_timeout
     run = anyio.run(_http_peer, server, None, levels, timeout, "kvscope serve", threads)
     return attrs.evolve(run, worker=worker)
+
+
+def paired_phase(args: argparse.Namespace, model: str, levels, threads: int) -> PairedRun:
+    worker = args.worker.split(",")[0].strip()  # the headline's
+    server = _kvscope_server(args, model, threads, worker, phase="paired")
+    print(
+        f"kvscope serve and the engine in-process, interleaved, {threads} thread(s), "
+        f"{worker} worker, {args.paired_rounds} rounds ...",
+        flush=True,
+    )
+    run = partial(
+        run_paired,
+        server,
+        model,
+        levels,
+        threads=threads,
+        worker=worker,
+        dtype=args.dtype,
+        rounds=args.paired_rounds,
+        timeout=args.level_timeout,
+    )
+    return anyio.run(run)
 
 
 def hf_phase(
@@ -224,6 +262,9 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
             for t in ints(args.threads)
             for worker in args.worker.split(",")
         ]
+    paired = []
+    if "kvscope-serve" in peers and args.paired_rounds > 0:
+        paired = [paired_phase(args, model, levels, t) for t in ints(args.threads)]
     hf = hf_phase(args, model, vocab, levels, missing) if "transformers" in peers else []
     vllm, vllm_version = vllm_phase(args, model, levels, missing) if "vllm" in peers else ([], None)
     return ThroughputResult(
@@ -234,6 +275,7 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
         kvscope_serve=served,
         vllm=vllm,
         transformers=hf,
+        paired=paired,
         elapsed_s=round(time.perf_counter() - t0, 1),
     )
 

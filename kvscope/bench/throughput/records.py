@@ -97,6 +97,34 @@ class ServedRun(Record):
         )
 
 
+#: The serving path may cost this much of the in-process tokens/s (issue 9, item 4).
+SERVED_COST_LIMIT = 0.05
+
+
+@attrs.frozen(kw_only=True)
+class PairedLevel(Record):
+    """One concurrency of the interleaved phase (`paired.py`), round by round."""
+
+    concurrency: int
+    engine_tokens_per_s: list[float]
+    served_tokens_per_s: list[float]
+    #: Served over in-process, round by round, and their median.
+    ratios: list[float]
+    ratio_median: float
+
+    @property
+    def within_limit(self) -> bool:
+        return self.ratio_median >= 1 - SERVED_COST_LIMIT
+
+
+@attrs.frozen(kw_only=True)
+class PairedRun(Record):
+    threads: int
+    worker: str
+    rounds: int
+    levels: list[PairedLevel]
+
+
 @attrs.frozen(kw_only=True)
 class HfOneAtATime(Record):
     requests: int
@@ -173,6 +201,8 @@ class ThroughputResult(Record):
     kvscope_serve: list[ServedRun] = attrs.field(factory=list)
     vllm: list[ServedRun] = attrs.field(factory=list)
     transformers: list[HfRun] = attrs.field(factory=list)
+    #: `kvscope serve` and the engine in-process, interleaved (absent before session 10).
+    paired: list[PairedRun] = attrs.field(factory=list)
     elapsed_s: float | None = None
     headline: Headline | None = None
     benchmark: str = "throughput"

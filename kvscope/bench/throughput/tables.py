@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..core.tables import table
-from .records import EngineRun, Level, ServedRun, ThroughputResult, level_of
+from .records import SERVED_COST_LIMIT, EngineRun, Level, ServedRun, ThroughputResult, level_of
 
 
 def _tps(levels: list[Level], c: int) -> float | None:
@@ -114,6 +114,28 @@ def overhead_table(r: ThroughputResult) -> list[str]:
     return ["", "Step loop overhead (decode steps, medians)", "", table(headers, rows)]
 
 
+def paired_table(r: ThroughputResult) -> list[str]:
+    if not r.paired:
+        return []
+    rows = [
+        [run.threads, run.worker, lv.concurrency, run.rounds,
+         max(lv.served_tokens_per_s), max(lv.engine_tokens_per_s),
+         " ".join(f"{x:.3f}" for x in lv.ratios), lv.ratio_median, lv.within_limit]
+        for run in r.paired
+        for lv in run.levels
+    ]  # fmt: skip
+    headers = ["threads", "worker", "concurrent", "rounds", "served tok/s (best)"]
+    headers += ["engine tok/s (best)", "served / engine, by round", "median"]
+    headers += [f"within {100 * SERVED_COST_LIMIT:.0f}%?"]
+    return [
+        "",
+        "The serving path's cost: kvscope serve against the engine in-process, both up and "
+        "taking turns (each first in every other round), so both see the same machine",
+        "",
+        table(headers, rows),
+    ]
+
+
 def headline_tables(r: ThroughputResult) -> list[str]:
     if r.headline is None:
         return []
@@ -150,6 +172,6 @@ def headline_tables(r: ThroughputResult) -> list[str]:
 def throughput_tables(r: ThroughputResult) -> str:
     out = [f"kvscope revision {r.machine.kvscope_revision}", ""]
     out += tokens_table(r) + latency_table(r) + servers_table(r) + overhead_table(r)
-    out += headline_tables(r)
+    out += paired_table(r) + headline_tables(r)
     out += [f"\nPEER MISSING: {peer}: {why}" for peer, why in r.missing.items()]
     return "\n".join(out)

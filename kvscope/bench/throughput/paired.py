@@ -1,0 +1,83 @@
+"""Served against in-process, interleaved: what the serving path costs, like with like.
+
+The speed of this machine drifts by tens of percent over minutes (the same level, a few
+minutes apart, has given 63.6 and 87.7 tok/s), so a served phase compared with the
+in-process phase run minutes earlier measures the drift as much as the HTTP/SSE path.
+This phase keeps both up at once, the engine in this process and `kvscope serve` in
+its own (each idle while the other runs), and alternates them round by round at each
+concurrency, each side first in every other round. The figure is the median over the
+rounds of served tokens/s over in-process tokens/s, each ratio taken from two runs
+next to each other.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from kvscope import Engine
+
+from ..core.servers import Server
+from ..core.workload import Workload
+from .engine_run import run_level
+from .http_level import run_http_level
+from .records import PairedLevel, PairedRun
+
+
+async def run_paired(
+    server: Server,
+    model: str,
+    levels: list[tuple[int, Workload]],
+    *,
+    threads: int,
+    worker: str,
+    dtype: str,
+    rounds: int,
+    timeout: float,
+) -> PairedRun:
+    from ..core.http import served_model
+
+    out = []
+    async with (
+        server,
+        Engine.open(
+            model,
+            device="cpu",
+            dtype=dtype,
+            model_threads=threads,
+            max_num_seqs=max(c for c, _ in levels),
+            worker="thread",
+        ) as engine,
+    ):
+        name = await served_model(server.base_url)
+        await server.settled()  # the model worker process is up
+        warm = Workload([levels[0][1].prompts[0][::-1]], 4)
+        await run_level(engine, warm, 1, timeout)
+        await run_http_level(server.base_url, name, warm, 1, timeout)
+        for concurrency, workload in levels:
+            engine_tps, served_tps = [], []
+            for round_ in range(rounds):
+                sides = ["engine", "served"] if round_ % 2 == 0 else ["served", "engine"]
+                for side in sides:
+                    if side == "engine":
+                        level = await run_level(engine, workload, concurrency, timeout)
+                        engine_tps.append(level.tokens_per_s)
+                    else:
+                        level = await run_http_level(
+                            server.base_url, name, workload, concurrency, timeout
+                        )
+                        served_tps.append(level.tokens_per_s)
+            ratios = [round(s / e, 3) for s, e in zip(served_tps, engine_tps, strict=True)]
+            paired = PairedLevel(
+                concurrency=concurrency,
+                engine_tokens_per_s=engine_tps,
+                served_tokens_per_s=served_tps,
+                ratios=ratios,
+                ratio_median=round(statistics.median(ratios), 3),
+            )
+            print(
+                f"  paired threads={threads} concurrency={concurrency}: served / in-process "
+                f"{ratios} (median {paired.ratio_median})",
+                flush=True,
+            )
+            out.append(paired)
+    return PairedRun(threads=threads, worker=worker, rounds=rounds, levels=out)
