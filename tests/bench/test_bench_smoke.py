@@ -68,7 +68,7 @@ def test_throughput_smoke(
         "--peers",
         "transformers,vllm,kvscope-serve",
         "--worker",
-        "thread,process",
+        "process,thread",
         "--paired-rounds",
         "2",
         "--vllm-python",
@@ -93,7 +93,7 @@ def test_throughput_smoke(
         assert 0 <= figures["outside_forward_share"] <= 1
     assert run["stats_after"]["kv_blocks_in_use"] == 0
     # Each worker is served and measured on its own.
-    assert [served["worker"] for served in r["kvscope_serve"]] == ["thread", "process"]
+    assert [served["worker"] for served in r["kvscope_serve"]] == ["process", "thread"]
     for served in r["kvscope_serve"]:
         assert all(lv["output_tokens"] == lv["requests"] * 4 for lv in served["levels"])
         for lv in served["levels"]:  # the light client's own CPU, reported per level
@@ -109,7 +109,7 @@ def test_throughput_smoke(
         assert argv_served[argv_served.index("--worker") + 1] == served["worker"]
     # The serving path's cost: served and in-process taking turns, with the first worker.
     (paired,) = r["paired"]
-    assert paired["worker"] == "thread" and paired["rounds"] == 2
+    assert paired["worker"] == "process" and paired["rounds"] == 2
     assert [lv["concurrency"] for lv in paired["levels"]] == [1, 2]
     for lv in paired["levels"]:
         served, engine = lv["served_tokens_per_s"], lv["engine_tokens_per_s"]
@@ -120,7 +120,7 @@ def test_throughput_smoke(
     assert "The serving path's cost" in printed
     assert "| kvscope serve (HTTP) " in printed
     assert "| kvscope serve, process worker (HTTP) " in printed
-    thread_served = r["kvscope_serve"][0]
+    first_served = r["kvscope_serve"][0]
     (hf,) = r["transformers"]
     assert hf["one_at_a_time"]["output_tokens"] == 4 and hf["static_batch"][0]["batch"] == 2
     assert "vllm" in r["missing"] and "not installed" in r["missing"]["vllm"]
@@ -129,8 +129,8 @@ def test_throughput_smoke(
         level = head["levels"][c]
         assert level["kvscope_serve_tokens_per_s"] > 0 and level["engine_tokens_per_s"] > 0
         # The headline takes the first worker given.
-        thread_level = next(lv for lv in thread_served["levels"] if lv["concurrency"] == int(c))
-        assert level["kvscope_serve_tokens_per_s"] == thread_level["tokens_per_s"]
+        first_level = next(lv for lv in first_served["levels"] if lv["concurrency"] == int(c))
+        assert level["kvscope_serve_tokens_per_s"] == first_level["tokens_per_s"]
         assert level["vllm_tokens_per_s"] is None and level["x_vllm"] is None
     assert "x_transformers_one_at_a_time" in head
     assert r["format"] == 2 and load(out).as_dict() == r

@@ -4,7 +4,7 @@ The speed of this machine drifts by tens of percent over minutes (the same level
 minutes apart, has given 63.6 and 87.7 tok/s), so a served phase compared with the
 in-process phase run minutes earlier measures the drift as much as the HTTP/SSE path.
 This phase keeps both up at once, the engine in this process and `kvscope serve` in
-its own (each idle while the other runs), and alternates them round by round at each
+its own, on the same worker (each idle while the other runs), and alternates them round by round at each
 concurrency, each side first in every other round. The figure is the median over the
 rounds of served tokens/s over in-process tokens/s, each ratio taken from two runs
 next to each other.
@@ -13,6 +13,8 @@ next to each other.
 from __future__ import annotations
 
 import statistics
+
+import anyio
 
 from kvscope import Engine
 
@@ -45,11 +47,14 @@ async def run_paired(
             dtype=dtype,
             model_threads=threads,
             max_num_seqs=max(c for c, _ in levels),
-            worker="thread",
+            worker=worker,  # the same as the server's: the two differ by the serving path
         ) as engine,
     ):
         name = await served_model(server.base_url)
-        await server.settled()  # the model worker process is up
+        await server.settled()  # the server's model worker process is up, and the engine's:
+        with anyio.fail_after(timeout):
+            while worker == "process" and not engine.stats()["worker_pid"]:
+                await anyio.sleep(0.1)
         warm = Workload([levels[0][1].prompts[0][::-1]], 4)
         await run_level(engine, warm, 1, timeout)
         await run_http_level(server.base_url, name, warm, 1, timeout)
