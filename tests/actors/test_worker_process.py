@@ -105,6 +105,33 @@ async def test_a_killed_worker_fails_its_step_and_is_replaced():
     assert gone(new_pid)
 
 
+async def test_a_step_waiting_for_the_new_worker_ends_when_its_requests_leave():
+    """After a worker dies, steps wait for the next one (the engine's copy of the model
+    is released); a step whose requests all leave meanwhile ends at once, aborted,
+    without waiting for the new worker."""
+    async with open_engine(worker="process") as engine:
+        pid = await worker_ready(engine)
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(lambda: engine.stats()["worker_pid"] != pid, timeout=BOOT)
+        job = await engine.submit("waits for the worker", **LONG)
+        await wait_for(lambda: job.id in engine.step_statistics().in_flight, what="step formed")
+        aborted = engine.step_statistics().aborted_steps
+        report = await engine.cancel(job.id)
+        assert report.in_running_step and report.blocks_released >= 1
+        assert engine.stats()["kv_blocks_in_use"] == 0
+        await wait_for(
+            lambda: engine.step_statistics().aborted_steps == aborted + 1, what="step aborted"
+        )
+        # It ended while the new worker was still booting (python, torch, the model).
+        assert engine.stats()["worker_pid"] == 0
+        assert (await job.wait()).finish_reason == "cancelled"
+        new_pid = await worker_ready(engine)
+        after = await engine.generate("after", max_tokens=8, temperature=0, ignore_eos=True)
+        assert after.finish_reason == "length" and engine.stats()["kv_blocks_in_use"] == 0
+        assert engine.step_statistics().aborted_steps == aborted + 1
+    assert gone(pid) and gone(new_pid)
+
+
 async def test_the_engine_releases_its_copy_of_the_model_once_the_worker_is_ready():
     async with open_engine() as engine:
         in_thread = engine.stats()["model_bytes"]
