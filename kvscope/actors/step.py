@@ -2,8 +2,9 @@
 
 Each iteration: ask the scheduler for the next step; drop every sequence whose request
 ended or was cancelled (right before launching the kernels); pin the blocks the step
-reads and writes (+1 each); run the forward and sampling in a worker thread (or the
-model worker process) so the event loop stays responsive; unpin; advance the sequences
+reads and writes (+1 each); run the forward and sampling in a worker thread, or send
+them to the model worker process and await its answer, so the event loop stays
+responsive; unpin; advance the sequences
 and hand each live request its token with a synchronous call, never awaiting a
 consumer.
 
@@ -156,7 +157,7 @@ class StepActor:
         started = time.perf_counter()
         try:
             with self.pool.fence():
-                tokens = await anyio.to_thread.run_sync(self._execute, work, limiter=self._limiter)
+                tokens = await self._forward(work)
         except StepAborted:
             self.aborted_steps += 1
         except Exception as exc:  # a model failure fails this step's requests, not the engine
@@ -196,6 +197,16 @@ class StepActor:
                 if token is not None:
                     seq.owner.deliver(token.token, token.logprobs)
         self.readers.wake(waiters)
+
+    async def _forward(self, work: StepInput) -> list[Sampled | None]:
+        """The step's forward and sampling: sent to the model worker process from the
+        event loop where the runner can (no thread to wake and no GIL to pass, each way),
+        else in the model thread."""
+        if isinstance(self.runner, ProcessRunner) and not self.before_forward:
+            tokens = await self.runner.execute_on_loop(work)
+            if tokens is not None:
+                return tokens
+        return await anyio.to_thread.run_sync(self._execute, work, limiter=self._limiter)
 
     def _execute(self, work: StepInput) -> list[Sampled | None]:
         """(model thread) Run one step's forward and sampling."""

@@ -38,6 +38,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+import anyio
 import attrs
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from kvscope.scheduling import default_slice_every_thread
 
 from .llama import StepAborted
 from .loader import load_model
+from .loop_pipe import LoopPipe
 from .runner import ModelRunner, StepControl, StepInput
 
 log = logging.getLogger(__name__)
@@ -278,6 +280,8 @@ class ProcessRunner:
     over the same shared K/V cache, so the engine serves at once and never waits for a
     worker to boot; once one is ready, `local`'s model releases its weights, and a
     step that finds no worker (one died, a new one is starting) waits for the next.
+    The step actor sends a step from the event loop where it can (`execute_on_loop`),
+    else from a thread (`execute`).
     `actors/parts.py: run_worker` (in the engine's task group) starts workers and
     notices when one exits.
     """
@@ -294,7 +298,8 @@ class ProcessRunner:
         self._context = torch.multiprocessing.get_context("spawn")
         self._process: Any = None  # the ready worker, or None
         self._conn: Connection | None = None
-        self._lock = threading.Lock()  # guards the two above; held for a whole step
+        self._pipe: LoopPipe | None = None  # the same, for the event loop
+        self._lock = threading.Lock()  # guards the three above; held for a whole step
         self._changed = threading.Condition(self._lock)  # a worker is ready, or none will be
         self._stopping = False
         self._gave_up = False  # a worker failed to start: no other is coming
@@ -322,16 +327,44 @@ class ProcessRunner:
             try:
                 sent, guided = _masks_for_worker(step, self.vocab_size)
                 self._conn.send(_state_as_bytes(sent))
-                sampled = self._receive(step, control)
+                sampled = self._answer(step, self._conn.recv())
             except (EOFError, OSError) as exc:
-                pid, code = self._process.pid, self._drop_worker(1.0)
-                raise WorkerDied(
-                    f"the model worker (pid {pid}) died mid-step (exit code {code})"
-                ) from exc
+                raise self._died() from exc
             for index, guide in guided:
                 if (row := sampled[index]) is not None:
                     guide.accept(row.token)
             return sampled
+
+    async def execute_on_loop(self, step: StepInput) -> list[Sampled | None] | None:
+        """(event loop) `execute` with no thread: the step is sent to the ready worker
+        and its answer read by the event loop (`LoopPipe`). None, having done nothing,
+        where the step must go through `execute` in a thread: no worker is ready (the
+        step may have to wait for one), another thread holds the runner (a worker
+        starting or stopping), or a row is guided (its grammar's mask is work to keep
+        off the loop)."""
+        if any(c.sample and c.state is not None and c.state.guide is not None for c in step.chunks):
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._pipe is None:
+                return None
+            # Shielded: once sent, the answer must be read, as `execute` in a thread would.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._pipe.send(_state_as_bytes(step))
+                    message = await self._pipe.receive()
+                except (EOFError, OSError) as exc:
+                    died = await anyio.to_thread.run_sync(self._died)
+                    raise died from exc
+            return self._answer(step, message)
+        finally:
+            self._lock.release()
+
+    def _died(self) -> WorkerDied:
+        """(lock held) The worker's pipe broke mid-step: drop and reap it."""
+        pid, code = self._process.pid, self._drop_worker(1.0)
+        return WorkerDied(f"the model worker (pid {pid}) died mid-step (exit code {code})")
 
     def _wait_for_worker(self, control: StepControl | None) -> Connection | None:
         """(lock held) The ready worker's pipe, waiting for one that is starting if the
@@ -405,7 +438,7 @@ class ProcessRunner:
                 raise WorkerDied(f"the model worker failed to start: {message[1]}")
             released = self.local.model_bytes
             self.local.release_model()  # before /stats can show the worker as ready
-            self._process, self._conn = process, parent
+            self._process, self._conn, self._pipe = process, parent, LoopPipe(parent)
         freed = (
             f"; the engine's copy of the model freed {released / 2**20:.0f} MiB" if released else ""
         )
@@ -438,26 +471,26 @@ class ProcessRunner:
             if locked:
                 self._lock.release()
 
-    def _receive(self, step: StepInput, control: StepControl | None) -> list[Sampled | None]:
-        assert self._conn is not None
-        while True:
-            message = self._conn.recv()
-            kind = message[0]
-            if kind == "done":
-                _, tokens, states = message
-                for chunk, state in zip(step.chunks, states, strict=True):
-                    if chunk.generator is not None and state is not None:
-                        chunk.generator.set_state(_tensor(state))  # as if it had drawn here
-                return tokens
-            elif kind == "aborted":
-                raise StepAborted
-            else:
-                raise RuntimeError(f"model worker: {message[1]}")
+    def _answer(self, step: StepInput, message: Any) -> list[Sampled | None]:
+        """The tokens of the worker's answer to `step`."""
+        kind = message[0]
+        if kind == "done":
+            _, tokens, states = message
+            for chunk, state in zip(step.chunks, states, strict=True):
+                if chunk.generator is not None and state is not None:
+                    chunk.generator.set_state(_tensor(state))  # as if it had drawn here
+            return tokens
+        elif kind == "aborted":
+            raise StepAborted
+        else:
+            raise RuntimeError(f"model worker: {message[1]}")
 
     def _drop_worker(self, timeout: float) -> int | None:
         """Forget the worker (steps run locally again) and reap it; its exit code."""
-        process, conn = self._process, self._conn
-        self._process = self._conn = None
+        process, conn, pipe = self._process, self._conn, self._pipe
+        self._process = self._conn = self._pipe = None
+        if pipe is not None:
+            pipe.close()
         if conn is not None:
             conn.close()
         return _reap(process, timeout) if process is not None else None
