@@ -3,8 +3,9 @@ never shares a GIL with the model (vLLM v1 splits its API server from its engine
 the same way; DESIGN section 1, "where the forward runs").
 
 `ProcessRunner` has `ModelRunner`'s interface (`execute(step, control)`,
-`new_control()`), so the step actor does not know which one it drives; it still
-calls `execute` from a worker thread, which here only waits on a pipe.
+`new_control()`), called from a thread. Where a worker is ready, the step actor sends
+the step from the event loop instead (`execute_on_loop`, over `LoopPipe`): no thread
+to wake and no GIL to pass each way.
 
 What is shared, and how:
 
@@ -12,13 +13,13 @@ What is shared, and how:
   it outlives a worker, so a restarted one finds every cached block intact;
 * the step's control block is one shared byte for "abort" and one per chunk for
   "cancelled": the loop writes them (`SharedStepControl`) and the worker's checkpoints
-  read them, with no message in between;
+  read them (one copy at a time, `WorkerControl`), with no message in between;
 * per step the parent sends the frozen `StepInput` (the chunks' `torch.Generator`s as
   their states' bytes, `_state_as_bytes`) and receives `("done", tokens, generator
   states)`, `("aborted",)` or `("error", text)` (a cancelled chunk's blocks were freed
   by the loop when it set the flag; the worker's checkpoint only drops its rows);
-* a guided row's grammar state stays in the parent: its step thread computes the
-  row's token mask before sending the step (`MaskOnly` carries it), and tells the
+* a guided row's grammar state stays in the parent: the step thread (such a step is
+  not sent from the loop) computes the row's token mask before sending the step (`MaskOnly` carries it), and tells the
   grammar the token drawn when the step is done.
 
 Until the first worker is ready the engine's own copy of the model runs the steps, so
