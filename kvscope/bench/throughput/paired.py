@@ -4,10 +4,11 @@ The speed of this machine drifts by tens of percent over minutes (the same level
 minutes apart, has given 63.6 and 87.7 tok/s), so a served phase compared with the
 in-process phase run minutes earlier measures the drift as much as the HTTP/SSE path.
 This phase keeps both up at once, the engine in this process and `kvscope serve` in
-its own, on the same worker (each idle while the other runs), and alternates them round by round at each
-concurrency, each side first in every other round. The figure is the median over the
-rounds of served tokens/s over in-process tokens/s, each ratio taken from two runs
-next to each other.
+its own, on the same worker (each idle while the other runs), and alternates them
+round by round at each concurrency, each side first in every other round, the prompts
+rotated each round (`rotated`) so neither side finds them in its prefix cache. The
+figure is the median over the rounds of served tokens/s over in-process tokens/s, each
+ratio taken from two runs next to each other.
 """
 
 from __future__ import annotations
@@ -61,14 +62,15 @@ async def run_paired(
         for concurrency, workload in levels:
             engine_tps, served_tps = [], []
             for round_ in range(rounds):
+                prompts = rotated(workload, round_)
                 sides = ["engine", "served"] if round_ % 2 == 0 else ["served", "engine"]
                 for side in sides:
                     if side == "engine":
-                        level = await run_level(engine, workload, concurrency, timeout)
+                        level = await run_level(engine, prompts, concurrency, timeout)
                         engine_tps.append(level.tokens_per_s)
                     else:
                         level = await run_http_level(
-                            server.base_url, name, workload, concurrency, timeout
+                            server.base_url, name, prompts, concurrency, timeout
                         )
                         served_tps.append(level.tokens_per_s)
             ratios = [round(s / e, 3) for s, e in zip(served_tps, engine_tps, strict=True)]
@@ -86,3 +88,10 @@ async def run_paired(
             )
             out.append(paired)
     return PairedRun(threads=threads, worker=worker, rounds=rounds, levels=out)
+
+
+def rotated(workload: Workload, shift: int) -> Workload:
+    """The workload's prompts rotated by `shift` tokens: the same work, but no prompt
+    block a round before left in the prefix cache, so every round prefills as the
+    first did (with the same prompts, later rounds had their prompts cached)."""
+    return Workload([p[shift:] + p[:shift] for p in workload.prompts], workload.max_tokens)
