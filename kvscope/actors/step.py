@@ -4,9 +4,8 @@ Each iteration: ask the scheduler for the next step; drop every sequence whose r
 ended or was cancelled (right before launching the kernels); pin the blocks the step
 reads and writes (+1 each); run the forward and sampling in a worker thread, or send
 them to the model worker process and await its answer, so the event loop stays
-responsive; unpin; advance the sequences
-and hand each live request its token with a synchronous call, never awaiting a
-consumer.
+responsive; unpin; advance the sequences and hand each live request its token with a
+synchronous call, never awaiting a consumer.
 
 It never ends a request and never calls back into the engine. A request that ends
 while its sequence is in the running step calls `leave` from its own cleanup: the

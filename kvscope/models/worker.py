@@ -19,8 +19,8 @@ What is shared, and how:
   states)`, `("aborted",)` or `("error", text)` (a cancelled chunk's blocks were freed
   by the loop when it set the flag; the worker's checkpoint only drops its rows);
 * a guided row's grammar state stays in the parent: the step thread (such a step is
-  not sent from the loop) computes the row's token mask before sending the step (`MaskOnly` carries it), and tells the
-  grammar the token drawn when the step is done.
+  not sent from the loop) computes the row's token mask before sending the step
+  (`MaskOnly` carries it), and tells the grammar the token drawn when the step is done.
 
 Until the first worker is ready the engine's own copy of the model runs the steps, so
 it serves at once; then that copy releases its weights (the model is not held twice).

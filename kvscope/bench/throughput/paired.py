@@ -91,7 +91,8 @@ async def run_paired(
 
 
 def rotated(workload: Workload, shift: int) -> Workload:
-    """The workload's prompts rotated by `shift` tokens: the same work, but no prompt
-    block a round before left in the prefix cache, so every round prefills as the
-    first did (with the same prompts, later rounds had their prompts cached)."""
+    """The workload's prompts rotated by `shift` tokens: the same work, but none starts
+    as a prompt of an earlier round did, so the prefix cache holds none of it and every
+    round prefills as the first did (given the same prompts, later rounds found them
+    cached)."""
     return Workload([p[shift:] + p[:shift] for p in workload.prompts], workload.max_tokens)
