@@ -107,6 +107,7 @@ def test_throughput_smoke(
         argv_served = served["settings"]["argv"]
         assert served["load_average"]["before"] is not None and "--model-threads" in argv_served
         assert argv_served[argv_served.index("--worker") + 1] == served["worker"]
+        assert served["processes_left"] == 0  # the model worker was stopped and reaped
     # The serving path's cost: served and in-process taking turns, with the first worker.
     (paired,) = r["paired"]
     assert paired["worker"] == "process" and paired["rounds"] == 2

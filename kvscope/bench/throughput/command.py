@@ -132,6 +132,7 @@ async def _http_peer(
         cold_start=cold,
         settings=server.settings,
         load_average=LoadAround(before=before, after=machine.load_average()),
+        processes_left=len(server.left_behind),  # counted once it has stopped
     )
 
 

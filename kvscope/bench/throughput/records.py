@@ -86,6 +86,9 @@ class ServedRun(Record):
     #: `kvscope serve --worker` (thread or process); None for vLLM, and in files written
     #: before it was recorded (those ran the thread worker).
     worker: str | None = None
+    #: The server's child processes still there once it exited on SIGTERM (None in
+    #: files written before session 10).
+    processes_left: int | None = None
 
     @property
     def label(self) -> str:

@@ -75,6 +75,7 @@ def _start_row(label: str, run: ServedRun) -> list[object]:
         (cold and cold.fully_up_s) or "-",
         load and load.before,
         load and load.after,
+        "-" if run.processes_left is None else run.processes_left,
         env or "-",
     ]
 
@@ -83,12 +84,12 @@ def servers_table(r: ThroughputResult) -> list[str]:
     rows = [_start_row(run.label, run) for run in r.kvscope_serve]
     rows += [_start_row("vLLM CPU", run) for run in r.vllm]
     headers = ["server", "threads", "ready s", "first token s", "fully up s"]
-    headers += ["load before", "load after", "env"]
+    headers += ["load before", "load after", "processes left", "env"]
     return [
         "",
         "Servers: seconds from spawning to answering, to the first token, and to being fully "
         "up (the model worker process ready; the levels wait for it); load average around "
-        "the phase",
+        "the phase; the server's children still there once it exited on SIGTERM",
         "",
         table(headers, rows),
     ]
