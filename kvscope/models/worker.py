@@ -52,7 +52,7 @@ from kvscope.scheduling import default_slice_every_thread
 from .llama import StepAborted
 from .loader import load_model
 from .loop_pipe import LoopPipe
-from .runner import ModelRunner, StepControl, StepInput
+from .runner import ChunkInput, ModelRunner, StepControl, StepInput
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +136,20 @@ class MaskOnly:
         pass
 
 
+def _guide_to_mask(chunk: ChunkInput) -> Any:
+    """The grammar whose mask this chunk's row needs this step, if any (it samples)."""
+    guide = chunk.state.guide if chunk.state is not None else None
+    return guide if chunk.sample else None
+
+
 def _masks_for_worker(step: StepInput, vocab_size: int) -> tuple[StepInput, list[tuple[int, Any]]]:
     """`step` with each guided row's grammar replaced by its mask for this step, and the
     (chunk, grammar) pairs to tell the tokens drawn."""
     guided = []
     chunks = list(step.chunks)
     for index, chunk in enumerate(chunks):
-        guide = chunk.state.guide if chunk.state is not None else None
-        if guide is None or not chunk.sample:
+        guide = _guide_to_mask(chunk)
+        if guide is None:
             continue
         guided.append((index, guide))
         assert chunk.state is not None  # it has a guide
@@ -343,7 +349,7 @@ class ProcessRunner:
         step may have to wait for one), another thread holds the runner (a worker
         starting or stopping), or a row is guided (its grammar's mask is work to keep
         off the loop)."""
-        if any(c.sample and c.state is not None and c.state.guide is not None for c in step.chunks):
+        if any(_guide_to_mask(chunk) is not None for chunk in step.chunks):
             return None
         if not self._lock.acquire(blocking=False):
             return None
@@ -456,21 +462,27 @@ class ProcessRunner:
                 self._drop_worker(0.0)
 
     def stop(self) -> None:
-        """(blocking) Let the step in flight end, then stop the worker and reap it."""
+        """(blocking) Let the step in flight end, then stop the worker and reap it. A
+        step still in flight after `STOP_TIMEOUT` (a hung worker) has its worker killed:
+        the step then reads the end of the pipe, fails with `WorkerDied` and drops the
+        worker itself. Its pipe is not closed from here, as the step is waiting on it
+        (a socket closed under the event loop's wait never wakes it)."""
         self._stopping = True
-        locked = self._lock.acquire(timeout=STOP_TIMEOUT)
+        if not self._lock.acquire(timeout=STOP_TIMEOUT):
+            process = self._process  # the step holding the lock keeps it set
+            if process is not None:
+                process.kill()
+            return
         try:
-            if locked:
-                self._changed.notify_all()
+            self._changed.notify_all()
             if self._conn is not None:
                 try:
                     self._conn.send(None)
                 except OSError:
                     pass
-            self._drop_worker(STOP_TIMEOUT if locked else 0.0)
+            self._drop_worker(STOP_TIMEOUT)
         finally:
-            if locked:
-                self._lock.release()
+            self._lock.release()
 
     def _answer(self, step: StepInput, message: Any) -> list[Sampled | None]:
         """The tokens of the worker's answer to `step`."""

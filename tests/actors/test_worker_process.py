@@ -223,6 +223,45 @@ async def test_closing_the_engine_mid_step_stops_the_worker():
         assert info.finish_reason == "cancelled" and info.cancel_reason == "shutdown"
 
 
+HUNG_WORKER_SCRIPT = """
+import os, signal, sys, anyio
+from kvscope import Engine
+
+async def main():
+    async with Engine.open("tiny-random", device="cpu", worker="process", model_threads=1) as e:
+        with anyio.fail_after(120):
+            while not e.stats()["worker_pid"]:
+                await anyio.sleep(0.05)
+            pid = e.stats()["worker_pid"]
+            print("worker:", pid, flush=True)
+            os.kill(pid, signal.SIGSTOP)  # hung: it answers nothing from now on
+            job = await e.submit("long", max_tokens=3000, ignore_eos=True, temperature=0)
+            while job.id not in e.step_statistics().in_flight:  # its step waits for it
+                await anyio.sleep(0.01)
+    info = job.info()
+    print("closed:", info.finish_reason, "blocks:", e.stats()["kv_blocks_in_use"], flush=True)
+
+if __name__ == "__main__":
+    anyio.run(main, backend=sys.argv[1])
+"""
+
+
+async def test_closing_the_engine_with_a_hung_worker_kills_it(tmp_path: Path, anyio_backend):
+    """A worker that answers nothing (stopped mid-step) is killed once the stop's
+    timeout has passed; the step waiting for it then ends and the engine closes. Run
+    in a script of its own, so that a close that never ends fails here instead of
+    hanging the tests."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_WORKER_SCRIPT)
+    with anyio.fail_after(BOOT):
+        done = await anyio.run_process([sys.executable, str(script), anyio_backend], check=False)
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    pid = int(out.split("worker:")[1].split()[0])
+    assert gone(pid)
+    assert "closed: cancelled blocks: 0" in out, out
+
+
 async def test_structured_output_through_the_worker():
     async with open_engine(worker="process") as engine:
         await worker_ready(engine)
