@@ -1,8 +1,13 @@
-"""The event loop's thread asks for short scheduler slices; the model's threads keep
-the default (`kvscope.scheduling`). Skipped where the kernel has no per-thread slices."""
+"""The event loop's thread asks for short scheduler slices; the model's threads run as a
+batch job with the default slice (`kvscope.scheduling`). Skipped where the kernel has no
+per-thread slices."""
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,10 +16,9 @@ import pytest
 
 from kvscope.scheduling import (
     LOOP_SLICE,
+    as_model_thread,
     ask_for_short_slices,
     current_slice,
-    default_slice_every_thread,
-    keep_default_slice,
 )
 from kvscope.web.settings import ServerSettings
 
@@ -41,50 +45,59 @@ def _in_thread(work: Callable[[], Any]) -> Any:
     return out["value"]
 
 
-def test_the_loop_asks_for_short_slices_and_a_model_thread_takes_the_default_back() -> None:
+def _policy_and_slice() -> tuple[int, float | None]:
+    return os.sched_getscheduler(0), current_slice()
+
+
+def test_the_loop_asks_for_short_slices_and_a_model_thread_runs_as_a_batch_job() -> None:
     default = _in_thread(current_slice)
     assert default is not None and default > LOOP_SLICE
 
-    def loop_thread() -> tuple[float | None, float | None, float | None]:
+    def loop_thread() -> tuple[Any, ...]:
         assert ask_for_short_slices() is None
-        mine = current_slice()
+        mine = _policy_and_slice()
         inherited = _in_thread(current_slice)  # a thread the loop starts inherits it
 
-        def model_thread() -> float | None:
-            keep_default_slice()
-            keep_default_slice()  # once per thread is enough; twice changes nothing
-            return current_slice()
+        def model_thread() -> tuple[Any, ...]:
+            as_model_thread()
+            as_model_thread()  # once per thread is enough; twice changes nothing
+            # torch's threads, started by the model thread, inherit both
+            return _policy_and_slice(), _in_thread(_policy_and_slice)
 
         return mine, inherited, _in_thread(model_thread)
 
-    mine, inherited, model = _in_thread(loop_thread)
-    assert mine == LOOP_SLICE and inherited == LOOP_SLICE
-    assert model == default
+    mine, inherited, (model, models_child) = _in_thread(loop_thread)
+    assert mine == (os.SCHED_OTHER, LOOP_SLICE) and inherited == LOOP_SLICE
+    assert model == models_child == (os.SCHED_BATCH, default)
 
 
-def test_every_thread_of_a_worker_process_gets_the_default() -> None:
+def test_every_thread_of_a_worker_process_runs_as_a_batch_job() -> None:
+    """In a process of its own, as in the model worker: the call changes every thread
+    of the process it runs in."""
     default = _in_thread(current_slice)
-    ready, done = threading.Event(), threading.Event()
-    seen: dict[str, float | None] = {}
-
-    def loop_thread() -> None:
-        ask_for_short_slices()
-
-        def sibling() -> None:  # started before the reset, like torch's first threads
-            ready.set()
-            done.wait(10)
-            seen["sibling"] = current_slice()
-
-        thread = threading.Thread(target=sibling)
-        thread.start()
-        ready.wait(10)
-        default_slice_every_thread()
-        seen["self"] = current_slice()
-        done.set()
-        thread.join()
-
-    _in_thread(loop_thread)
-    assert seen == {"self": default, "sibling": default}
+    script = """
+import os, threading
+from kvscope.scheduling import ask_for_short_slices, current_slice, every_thread_as_model_thread
+ask_for_short_slices()
+ready, done, seen = threading.Event(), threading.Event(), {}
+def sibling():  # started before the call, like torch's first threads
+    ready.set()
+    done.wait(10)
+    seen["sibling"] = (os.sched_getscheduler(0), current_slice())
+thread = threading.Thread(target=sibling)
+thread.start()
+ready.wait(10)
+every_thread_as_model_thread()
+seen["self"] = (os.sched_getscheduler(0), current_slice())
+done.set()
+thread.join()
+print(repr(seen))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    batch = (os.SCHED_BATCH, default)
+    assert ast.literal_eval(out) == {"self": batch, "sibling": batch}
 
 
 def test_the_setting_takes_a_slice_the_kernel_allows_or_none() -> None:

@@ -30,7 +30,7 @@ from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
 from kvscope.kernels.sampling import RowState, Sampled, sample
 from kvscope.params import SamplingParams
-from kvscope.scheduling import keep_default_slice
+from kvscope.scheduling import as_model_thread
 
 from .gaps import GapRecorder
 from .llama import LayerBatch, LlamaModel, StepAborted
@@ -130,7 +130,7 @@ class ModelRunner:
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         """Run one step; returns the sampled token of each chunk (None if it samples
         none or was dropped)."""
-        keep_default_slice()  # this thread and the torch threads it starts
+        as_model_thread()  # this thread and the torch threads it starts
         with torch.inference_mode():
             self.kv_cache.copy_blocks(step.copies)
             chunks = step.chunks

@@ -47,7 +47,7 @@ import torch.multiprocessing
 
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.sampling import Sampled
-from kvscope.scheduling import default_slice_every_thread
+from kvscope.scheduling import every_thread_as_model_thread
 
 from .llama import StepAborted
 from .loader import load_model
@@ -233,7 +233,7 @@ def worker_main(
     tqdm.tqdm.set_lock(threading.RLock())
     if spec.nice:
         _nice_every_thread(spec.nice)  # before torch starts its threads, which inherit it
-    default_slice_every_thread()  # the parent's thread that started it may ask for short ones
+    every_thread_as_model_thread()  # the parent's thread that started it asked for short slices
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)

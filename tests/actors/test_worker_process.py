@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import anyio
@@ -272,23 +273,38 @@ async def test_structured_output_through_the_worker():
         assert engine.stats()["worker_restarts"] == 0
 
 
-def thread_nices(pid: int) -> set[int]:
-    """The nice value of each thread of process `pid` (field 19 of its `stat`)."""
-    nices = set()
+def thread_nices_and_policies(pid: int) -> set[tuple[int, int]]:
+    """The nice value (field 19 of its `stat`) and the scheduling policy of each thread
+    of process `pid`."""
+    seen = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
         stat = (task / "stat").read_text()
-        nices.add(int(stat.rsplit(")", 1)[1].split()[16]))
-    return nices
+        seen.add((int(stat.rsplit(")", 1)[1].split()[16]), os.sched_getscheduler(int(task.name))))
+    return seen
 
 
 @pytest.mark.parametrize("nice", [None, 0, 7])
-async def test_the_worker_runs_at_its_nice_value(nice: int | None):
+async def test_the_worker_runs_as_a_batch_job_at_its_nice_value(nice: int | None):
     """Every thread of the worker (torch's included) yields the CPU to the event loop by
-    `worker_nice` (10 unless given), relative to the engine's own process."""
+    `worker_nice` (10 unless given), relative to the engine's own process, and runs as a
+    batch job, whose wake-ups never preempt the loop."""
     options = {} if nice is None else {"worker_nice": nice}
     async with open_engine(worker="process", model_threads=2, **options) as engine:
         pid = await worker_ready(engine)
         await engine.generate("spin the threads up", max_tokens=4, temperature=0)
         base = os.getpriority(os.PRIO_PROCESS, 0)
         expected = min(19, base + (10 if nice is None else nice))
-        assert thread_nices(pid) == {expected}
+        assert thread_nices_and_policies(pid) == {(expected, os.SCHED_BATCH)}
+
+
+async def test_the_thread_workers_model_threads_run_as_a_batch_job():
+    """With the model in a thread, the thread that runs the forward (and the torch
+    threads it starts) runs as a batch job; the event loop's thread is left as it was."""
+    loop_policy = os.sched_getscheduler(0)
+    forward_threads: set[int] = set()
+    async with open_engine(worker="thread", model_threads=2) as engine:
+        engine.before_forward.append(lambda: forward_threads.add(threading.get_native_id()))
+        await engine.generate("spin the threads up", max_tokens=4, temperature=0)
+        assert forward_threads
+        assert {os.sched_getscheduler(tid) for tid in forward_threads} == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == loop_policy
