@@ -5,9 +5,10 @@ WebSocket, OpenAI-compatible, observability, dashboard), the JSON error handlers
 keys, quart-schema's OpenAPI document at `/openapi.json`, and the body size cap; the
 `BodyGuard` in front of it refuses an unauthenticated or oversized request from its
 headers alone, before any of its body is read, and `FastPath` behind the guard
-answers `DELETE /requests/{id}`, `GET /stats` and `GET /health` without Quart. The
-app does not own the engine: `server.Server` opens the engine, then serves this app on
-hypercorn inside it, so the engine outlives every connection.
+answers `DELETE /requests/{id}`, `GET /stats` and `GET /health` without Quart. A
+POST waits for its admission turn (`ServerContext.admission_turn`) before its route
+runs. The app does not own the engine: `server.Server` opens the engine, then serves
+this app on hypercorn inside it, so the engine outlives every connection.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from quart_trio import QuartTrio
 from kvscope import Engine
 
 from . import auth, dashboard, errors, jobs, observability, openai, streaming, websocket
-from .context import ServerContext
+from .context import ServerContext, server
 from .fast_path import FastPath
 from .guard import BodyGuard
 from .metrics import Metrics
@@ -61,6 +62,7 @@ def create_app(
     errors.register(app, retry_after=settings.retry_after)
     auth.register(app)  # the key first; then the body (the guard saw its size)
     app.before_request(_read_body_first)
+    app.before_request(_admission_turn)
     context = app.extensions["kvscope"]
     app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
     for module in (jobs, streaming, websocket, openai, observability, dashboard):
@@ -77,3 +79,10 @@ async def _read_body_first() -> None:
     """
     if request.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in request.headers:
         await request.get_data(cache=True)
+
+
+async def _admission_turn() -> None:
+    """A POST (a body to parse, a job to submit) waits for its turn, one to a pass of
+    the event loop (`ServerContext.admission_turn`)."""
+    if request.method == "POST":
+        await server().admission_turn()

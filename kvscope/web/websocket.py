@@ -65,6 +65,7 @@ class _Connection:
         """The reader: each message is a generate body or a cancel."""
         while True:
             message = await websocket.receive()
+            await self.ctx.admission_turn()  # as a POST waits for its turn
             try:
                 data = decode_json(message)
                 if isinstance(data, dict) and data.get("type") == "cancel":

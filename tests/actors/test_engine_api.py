@@ -123,7 +123,9 @@ async def test_invalid_requests_raise_invalid_request(engine: Engine, bad: dict)
     assert engine.stats()["live_requests"] == 0
 
 
-@pytest.mark.parametrize("prompt", ["", [], [1, 99999], b"x", [1.5]])
+@pytest.mark.parametrize(
+    "prompt", ["", [], [1, 99999], b"x", [1.5], [1, True], [-1, 2], [2, "3"], [2, None]]
+)
 async def test_bad_prompts_are_rejected(engine: Engine, prompt: object):
     with pytest.raises(InvalidRequest):
         await engine.generate(prompt)  # type: ignore[arg-type]
