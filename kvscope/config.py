@@ -85,13 +85,6 @@ class EngineConfig:
     #: throughput there: 32 streams took 6 percent longer (15.5 against 14.5 s, 4 runs
     #: each), the forward's threads being preempted more often. 0 shares the CPU evenly.
     worker_nice: int = attrs.field(default=10, validator=[v.ge(0), v.le(19)])
-    #: How the model worker process's threads take the CPU (`kvscope/scheduling.py`):
-    #: "batch" (SCHED_BATCH at `worker_nice`: their wake-ups never preempt the event
-    #: loop, and the tick shares the CPU out by weight) or "idle" (SCHED_IDLE: they run
-    #: only when nothing else wants a core, so the loop, and anything else on the
-    #: machine, always goes first: the loop's lag is lower, the model slower whenever
-    #: anything else runs; `worker_nice` then has no effect).
-    worker_policy: str = attrs.field(default="batch", validator=v.in_(("batch", "idle")))
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0
     #: What every generated request id starts with; a replica puts its own name in it

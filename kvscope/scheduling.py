@@ -1,6 +1,5 @@
 """How the server's threads ask Linux's scheduler for the CPU: the event loop's thread
-asks for short time slices, and the model's threads give way to it (SCHED_BATCH, or
-SCHED_IDLE in the model worker process).
+asks for short time slices, and the model's threads run as a batch job.
 
 Where the model fills every core, a woken event loop waits for a model thread to give up
 its CPU. Linux's EEVDF scheduler (6.6 on) runs the eligible thread whose virtual
@@ -12,31 +11,18 @@ two runs each, 2 model threads (thread / process worker): the loop lag p50 0.26-
 0.36 ms against 0.44-0.46 / 0.34-0.36, its p99 4.4-4.5 / 4.2-4.5 against 4.7-4.9 /
 4.5-4.7 (docs/benchmarks/README.md, session 8).
 
-The model's threads run as a batch job with the default slice (`as_model_thread`): under
-SCHED_BATCH the kernel never lets a model thread's wake-up preempt the thread that is
-running (the tick shares the CPU out, by the same weights), so the model worker, woken
-by the step the loop has just sent, no longer takes the CPU from the loop in the
-middle of its pass. Measured with the step sent from the loop (process worker,
-reference model, 2 threads), the send's p90 was 2.6 ms of wall time for 0.02 ms at
-p50: the loop was descheduled at the send. Served tokens/s, the same server with and
-without, three interleaved pairs: 90-102 against 84-91 at one stream, 337-396 against
-318-377 at 32 (docs/benchmarks/README.md, session 11).
-
-The model worker process can go further (`worker_policy="idle"`, `--worker-policy
-idle`): SCHED_IDLE, whose threads run only when no other thread wants the core, so the
-event loop (and the clients beside it) never waits for its share behind them. `bench
-cancel`, process worker, 2 threads, two interleaved pairs against SCHED_BATCH: the loop
-lag p99 2.13 and 1.61 ms against 4.43 and 6.36, the machine's wake-up p99 0.18-0.20
-against 0.33-0.48 ms. It costs served throughput where the loop and the clients share
-the cores with the model: interleaved pairs, 64-87 against 70-91 tok/s at one stream
-(three) and 351-373 against 387-389 at 32 (two). And on a machine where anything else keeps
-the cores busy, an idle model gets almost nothing; so it is not the default.
-The thread worker's forward thread stays SCHED_BATCH: it holds the GIL the loop
-waits for, and as an idle thread any busy process could keep it, and so the loop,
-waiting. A thread starts with its creator's policy and slice, so a thread that runs the
-forward takes its policy before its first step and before it starts torch's threads,
-which inherit it; the model worker process sets it on every thread it has when it
-starts (`every_thread_as_model_thread`).
+The model's threads run under SCHED_BATCH (`as_model_thread`), with the default slice:
+the kernel never lets a batch thread's wake-up preempt the thread that is running (the
+tick shares the CPU out, by the same weights), so the model worker, woken by the step
+the loop has just sent, no longer takes the CPU from the loop in the middle of its
+pass. Measured with the step sent from the loop (process worker, reference model, 2
+threads), the send's p90 was 2.6 ms of wall time for 0.02 ms at p50: the loop was
+descheduled at the send. Served tokens/s, the same server with and without, three
+interleaved pairs: 90-102 against 84-91 at one stream, 337-396 against 318-377 at 32
+(docs/benchmarks/README.md, session 11). A thread starts with its creator's policy and
+slice, so a thread that runs the forward takes the batch policy before its first step
+and before it starts torch's threads, which inherit it; the model worker process sets
+it on every thread it has when it starts (`every_thread_as_model_thread`).
 
 Elsewhere (not Linux, a kernel before 6.12 for the slices, a seccomp filter that
 refuses the call) nothing changes, and `ask_for_short_slices` says why.
@@ -56,7 +42,6 @@ LOOP_SLICE = 0.0001
 
 _SCHED_OTHER = 0
 _SCHED_BATCH = 3
-_SCHED_IDLE = 5
 #: `struct sched_attr` up to `sched_period`: size, policy, flags, nice, priority,
 #: runtime, deadline, period.
 _ATTR = struct.Struct("IIQiIQQQ")
@@ -129,32 +114,30 @@ def as_model_thread() -> None:
     once per thread, before the thread starts torch's worker threads, which inherit it."""
     if not getattr(_defaults, "done", False):
         _defaults.done = True
-        _model_policy(0, _SCHED_BATCH)
+        _batch_policy(0)
 
 
-def every_thread_as_model_thread(*, idle: bool) -> None:
-    """(the model worker process, at its start) SCHED_IDLE (`idle`) or SCHED_BATCH, and
-    the default slice, for each thread this process has; the ones it starts later
-    inherit them."""
+def every_thread_as_model_thread() -> None:
+    """(the model worker process, at its start) The batch policy and the default slice
+    for each thread this process has; the ones it starts later inherit them."""
     try:
         threads = [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:
         threads = [0]
     for tid in threads:
-        _model_policy(tid, _SCHED_BATCH)  # the default slice: SCHED_IDLE keeps the one it has
-        if idle:
-            _model_policy(tid, _SCHED_IDLE)
+        _batch_policy(tid)
     _defaults.done = True
 
 
-def _model_policy(tid: int, policy: int) -> None:
-    """`policy` and the default slice for thread `tid` (0: the calling one), keeping its
-    nice value. Where `sched_setattr` is refused or missing, the policy alone (a thread
-    there has no slice of its own); where that is refused too, the default policy
+def _batch_policy(tid: int) -> None:
+    """SCHED_BATCH and the default slice for thread `tid` (0: the calling one), keeping
+    its nice value. Where `sched_setattr` is refused or missing, the policy alone (a
+    thread there has no slice of its own); where that is refused too, the default policy
     serves, preempted more often."""
-    if _syscalls() is not None and _set_attr(tid, policy, 0) in (0, errno.ESRCH):
+    if _syscalls() is not None and _set_attr(tid, _SCHED_BATCH, 0) in (0, errno.ESRCH):
         return
-    try:
-        os.sched_setscheduler(tid, policy, os.sched_param(0))
-    except (OSError, AttributeError):  # refused, or not Linux
-        pass
+    if hasattr(os, "SCHED_BATCH"):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:
+            pass

@@ -71,10 +71,9 @@ def test_the_loop_asks_for_short_slices_and_a_model_thread_runs_as_a_batch_job()
     assert model == models_child == (os.SCHED_BATCH, default)
 
 
-@pytest.mark.parametrize("idle", [True, False])
-def test_every_thread_of_a_worker_process_takes_the_model_policy(idle: bool) -> None:
+def test_every_thread_of_a_worker_process_runs_as_a_batch_job() -> None:
     """In a process of its own, as in the model worker: the call changes every thread
-    of the process it runs in (SCHED_IDLE, or SCHED_BATCH)."""
+    of the process it runs in."""
     default = _in_thread(current_slice)
     script = """
 import os, threading
@@ -88,21 +87,17 @@ def sibling():  # started before the call, like torch's first threads
 thread = threading.Thread(target=sibling)
 thread.start()
 ready.wait(10)
-every_thread_as_model_thread(idle=IDLE)
+every_thread_as_model_thread()
 seen["self"] = (os.sched_getscheduler(0), current_slice())
 done.set()
 thread.join()
 print(repr(seen))
 """
     out = subprocess.run(
-        [sys.executable, "-c", f"IDLE = {idle}\n" + script],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     ).stdout
-    model = (os.SCHED_IDLE if idle else os.SCHED_BATCH, default)
-    assert ast.literal_eval(out) == {"self": model, "sibling": model}
+    batch = (os.SCHED_BATCH, default)
+    assert ast.literal_eval(out) == {"self": batch, "sibling": batch}
 
 
 def test_the_setting_takes_a_slice_the_kernel_allows_or_none() -> None:

@@ -57,7 +57,6 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
             threads,
             engine_config.checkpoint_gap,
             engine_config.worker_nice,
-            engine_config.worker_policy,
         )
     return build_parts(loaded, engine_config, torch_device, worker)
 

@@ -85,7 +85,6 @@ class WorkerSpec:
     threads: int | None
     checkpoint_gap: float
     nice: int = 0
-    policy: str = "batch"  # "idle" or "batch" (`kvscope.scheduling`)
 
 
 class SharedFlag:
@@ -234,7 +233,7 @@ def worker_main(
     tqdm.tqdm.set_lock(threading.RLock())
     if spec.nice:
         _nice_every_thread(spec.nice)  # before torch starts its threads, which inherit it
-    every_thread_as_model_thread(idle=spec.policy == "idle")  # before torch's threads
+    every_thread_as_model_thread()  # the parent's thread that started it asked for short slices
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)

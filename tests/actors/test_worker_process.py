@@ -297,16 +297,6 @@ async def test_the_worker_runs_as_a_batch_job_at_its_nice_value(nice: int | None
         assert thread_nices_and_policies(pid) == {(expected, os.SCHED_BATCH)}
 
 
-async def test_the_worker_runs_as_an_idle_job_when_asked():
-    """With `worker_policy="idle"`, every thread of the worker (torch's included) runs
-    under SCHED_IDLE: only when nothing else wants the core."""
-    async with open_engine(worker="process", worker_policy="idle", model_threads=2) as engine:
-        pid = await worker_ready(engine)
-        out = await engine.generate("spin the threads up", max_tokens=4, temperature=0)
-        assert out.token_ids  # it serves
-        assert {policy for _nice, policy in thread_nices_and_policies(pid)} == {os.SCHED_IDLE}
-
-
 async def test_the_thread_workers_model_threads_run_as_a_batch_job():
     """With the model in a thread, the thread that runs the forward (and the torch
     threads it starts) runs as a batch job; the event loop's thread is left as it was."""
