@@ -65,14 +65,14 @@ class _Connection:
         """The reader: each message is a generate body or a cancel."""
         while True:
             message = await websocket.receive()
-            await self.ctx.admission_turn()  # as a POST waits for its turn
             try:
                 data = decode_json(message)
                 if isinstance(data, dict) and data.get("type") == "cancel":
-                    await self.cancel()
+                    await self.cancel()  # never waits in the admissions' line
                     continue
                 if isinstance(data, dict) and data.get("type") == "generate":
                     data = {k: v for k, v in data.items() if k != "type"}
+                await self.ctx.admission_turn()  # as a POST waits for its turn
                 body = validate(GenerateBody, data)
                 await self.start(body, tg)
             except ApiError as error:
