@@ -268,6 +268,11 @@ class CpuDecode:
         self.fallback = fallback
         self.kernel.start()
 
+    def in_place(self, dtype: torch.dtype) -> bool:
+        """Whether a call with `dtype` runs the compiled kernel, which reads the blocks
+        in place (and so can take a prefill chunk one row per token), not the fallback."""
+        return self.kernel.op is not None and dtype in DTYPES
+
     def __call__(
         self,
         query: torch.Tensor,
@@ -278,7 +283,7 @@ class CpuDecode:
         scale: float,
     ) -> torch.Tensor:
         op = self.kernel.op
-        if op is None or query.dtype not in DTYPES:
+        if op is None or query.dtype not in DTYPES:  # see `in_place`
             return self.fallback(query, key_cache, value_cache, block_tables, context_lens, scale)
         if query.stride(-1) != 1:
             query = query.contiguous()

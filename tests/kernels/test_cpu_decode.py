@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvscope.kernels import attention
 from kvscope.kernels.attention import reference_decode
 from kvscope.kernels.cpu_decode import SOURCE, build_command, compiler, cpu_kernel, prune_builds
 
@@ -121,6 +122,61 @@ def test_long_sequences_are_cut_into_spans_and_merged(op, dtype, threads) -> Non
         ref = reference_decode(query.float(), keys.float(), values.float(), tables, lens, dim**-0.5)
         error = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         assert error <= RTOL[dtype], f"max error {error:.1e} relative ({heads}/{kv_heads} heads)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, monkeypatch) -> None:
+    """A step of two decode rows, a prompt's first chunk, a later chunk of another
+    prompt (both short enough for the kernel, row by row) and a chunk past
+    IN_PLACE_PREFILL_CONTEXT (gather + SDPA either way): every row attends as it does
+    on the torch path."""
+    monkeypatch.setattr(attention, "IN_PLACE_PREFILL_CONTEXT", 40)
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, block_size = 8, 4, 32, 4
+    starts, lengths = [5, 30, 0, 9, 37], [1, 1, 13, 20, 6]
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True))
+    order = torch.randperm(num_blocks + 2, generator=generator).tolist()
+    tables = [
+        [order.pop() for _ in range(-(-(s + n) // block_size))]
+        for s, n in zip(starts, lengths, strict=True)
+    ]
+    meta = attention.build_metadata(
+        starts=starts,
+        lengths=lengths,
+        block_tables=tables,
+        block_size=block_size,
+        device=torch.device("cpu"),
+    )
+    assert [span.in_place for span in meta.prefills] == [True, True, False]
+    assert sorted(torch.cat([run.rows for run in meta.row_runs]).tolist()) == list(range(2, 35))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    keys = rand(kv_heads, num_blocks + 2, block_size, dim).permute(1, 2, 0, 3)
+    values = rand(kv_heads, num_blocks + 2, block_size, dim).permute(1, 2, 0, 3)
+    tokens = sum(lengths)
+    query, key, value = (
+        rand(tokens, heads, dim),
+        rand(tokens, kv_heads, dim),
+        rand(tokens, kv_heads, dim),
+    )
+
+    def attend(path: str) -> torch.Tensor:
+        monkeypatch.setenv("KVSCOPE_ATTENTION", path)
+        attention.decode_backend.cache_clear()
+        try:
+            backend = attention.decode_backend("cpu")
+            assert getattr(backend, "in_place", lambda _: False)(dtype) == (path == "auto")
+            return attention.paged_attention(query, key, value, keys, values, meta, dim**-0.5)
+        finally:
+            attention.decode_backend.cache_clear()
+
+    kernel, reference = attend("auto"), attend("reference")
+    error = (
+        (kernel.float() - reference.float()).abs().max() / reference.float().abs().max()
+    ).item()
+    assert error <= RTOL[dtype], f"max error {error:.1e} relative"
 
 
 def _expected_isa() -> str:
