@@ -29,21 +29,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
+from safetensors.torch import save_file
 from websockets.sync.client import connect
 
+import kvscope.models
+from kvscope.models.loader import TINY_CONFIG, random_weights
 from kvscope.web.serve import first_steps
 
-from .conftest import Live, wait_clean, wait_for, wait_status, wait_tokens
+from .conftest import Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
 )
-#: Long enough to outlive the test on an idle machine (tiny-random's context is 4096).
-LONGEST = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+#: Requests that outlive the test: tiny-random makes 4,000 tokens in ~5 s on 2 cores,
+#: less than the test takes, so the test serves `long_context_model` (tiny-random's
+#: shape with a 16k context) and a pool that holds five of these whole.
+LONGEST = {"max_tokens": 16_000, "ignore_eos": True, "temperature": 0}
+KV_BLOCKS = 6144
 #: How far the page's tokens/s may be from the server's counts: well inside the 32x
 #: of the bug this guards against (the tile read 10 while the requests made 325).
 RATE_TOLERANCE = 2.0
@@ -179,9 +186,46 @@ def tokens(client: httpx.Client, ids: list[str]) -> dict[str, int]:
     return live
 
 
+def long_context_model(directory: Path) -> Path:
+    """A checkpoint of tiny-random's shape (random weights, the bundled model's
+    tokenizer) whose context is 16,384 tokens."""
+    bundled = Path(kvscope.models.__file__).parent / "bundled"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled / name, directory / name)
+    hf = json.loads((bundled / "config.json").read_text())
+    config = attrs.evolve(
+        TINY_CONFIG,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=16_384,
+        bos_token_id=hf["bos_token_id"],
+        eos_token_ids=(hf["eos_token_id"],),
+    )
+    hf.update(
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_file(random_weights(config, seed=0), str(directory / "model.safetensors"))
+    return directory
+
+
 @needs_chromium
 @pytest.mark.parametrize("backend", ["asyncio"])
-def test_dashboard(live: Live, tmp_path: Path) -> None:
+def test_dashboard(backend: str, tmp_path: Path) -> None:
+    model = long_context_model(tmp_path / "model")
+    with running_server(backend, tmp_path, model=str(model), num_kv_blocks=KV_BLOCKS) as live:
+        dashboard(live, tmp_path)
+        wait_clean(live)
+
+
+def dashboard(live: Live, tmp_path: Path) -> None:
     with live.client() as client:
         assert "kvscope" in client.get("/").text
         assert client.get("/dashboard/app.js").status_code == 200
@@ -194,7 +238,7 @@ def test_dashboard(live: Live, tmp_path: Path) -> None:
         with open_page(live.url + "/", tmp_path / "profile") as page:
             wait_for(lambda: set(ids) <= set(rows(page)["rates"]), what="the requests' rows")
             kv = page.text("kv-in-use")
-            assert kv.endswith("/ 1024") and int(kv.split("/")[0]) >= 5
+            assert kv.endswith(f"/ {KV_BLOCKS}") and int(kv.split("/")[0]) >= 5
 
             # The axes are labelled, with a time scale; nothing cancelled yet.
             drawn = chart(page)
@@ -243,12 +287,11 @@ def test_dashboard(live: Live, tmp_path: Path) -> None:
             wait_for(lambda: len(chart(page)["markers"]) > markers, what="the button's marker")
             last = chart(page)["markers"][-1]
             assert last["count"] == 1 and last["before"] > 0 and last["after"] <= last["before"]
-            wait_for(lambda: page.text("kv-in-use") == "0 / 1024", what="no block in use")
+            wait_for(lambda: page.text("kv-in-use") == f"0 / {KV_BLOCKS}", what="no block in use")
             wait_for(lambda: not rows(page)["rates"], what="the last row to go")
             page.screenshot(tmp_path / "dashboard.png")
             assert page.evaluate("window.__dashboardErrors") == []
             assert page.text("error") == ""
-    wait_clean(live)
 
 
 @pytest.mark.parametrize("api_key", [None, "first-run-key"])

@@ -10,7 +10,9 @@ the server's figures so that a target is read against what the machine allows.
 
 `WakeFloor` runs a small Python child that sleeps `interval` seconds in `select`
 (microsecond timeouts, as the loop's timer) over and over and records how late
-each wake-up is; closing its stdin ends it and it answers with the samples.
+each wake-up is; closing its stdin ends it and it answers with the samples. Entering
+waits until the child is sampling (its start-up is not part of the run), and the child
+always finishes at least one sleep, so a run shorter than `interval` still has a figure.
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ SAMPLER = """
 import json, select, sys, time
 interval = float(sys.argv[1])
 late = []
+print("ready", flush=True)
+watched = [sys.stdin]
 while True:
     due = time.monotonic() + interval
-    if select.select([sys.stdin], [], [], interval)[0]:
-        break
+    if select.select(watched, [], [], interval)[0]:
+        if late:
+            break
+        watched = []  # stdin closed before the first wake-up: finish that one sleep
+        continue
     late.append(time.monotonic() - due)
+    if not watched:
+        break
 json.dump(late, sys.stdout)
 """
 
@@ -44,6 +53,7 @@ class WakeFloor:
         self.interval = interval
         self.samples: list[float] = []
         self._process: anyio.abc.Process | None = None
+        self._head = b""  # what the child printed up to its samples
 
     async def __aenter__(self) -> WakeFloor:
         self._process = await anyio.open_process(
@@ -51,6 +61,17 @@ class WakeFloor:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        process = self._process
+        assert process.stdout is not None
+        try:
+            while b"\n" not in self._head:  # "ready": the child is sampling
+                self._head += await process.stdout.receive()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                process.kill()
+                await process.wait()
+            raise
+        self._head = self._head.partition(b"\n")[2]
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -66,4 +87,4 @@ class WakeFloor:
             chunks = [chunk async for chunk in process.stdout]
             await process.wait()
         if process.returncode == 0:
-            self.samples = [max(0.0, x) for x in json.loads(b"".join(chunks))]
+            self.samples = [max(0.0, x) for x in json.loads(self._head + b"".join(chunks))]
