@@ -3,7 +3,7 @@
 The order is vLLM's: `logit_bias` is added, `min_tokens` bans the stop tokens, the
 repetition, frequency and presence penalties are applied, a grammar's mask (structured
 output) removes what it forbids; then greedy rows are one batched `argmax` and the
-others apply temperature, top-k and top-p and draw with the request's own
+others apply temperature, top-k and top-p and draw (`_inverse_cdf`) with the request's own
 `torch.Generator`, so a seeded request gives the same tokens whatever else shares its
 batch. Each processor works on the whole `[rows, vocab]` tensor at once (index lists
 built from the rows that asked for it), and a batch that asks for none of them costs one
@@ -233,4 +233,18 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
     probs = torch.softmax(row, dim=-1)
     if not torch.isfinite(probs).all():
         return int(row.argmax())  # logits that overflowed: the most likely token
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return _inverse_cdf(probs, generator)
+
+
+def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from `probs` with one uniform number: the first token whose cumulative
+    probability passes it. `torch.multinomial` draws an exponential number per token,
+    which on the CPU took 130 us for 8,000 tokens (this: 8 us), a third of a 32-row
+    decode step of the reference model, and grows with the vocabulary. A token of
+    probability 0 is never drawn: its cumulative sum equals the one before it."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True))
+    if index < probs.numel():
+        return index
+    return int(probs.nonzero().max())  # u rounded up to the total: the last possible token

@@ -145,3 +145,33 @@ def test_a_guide_masks_its_row_before_sampling_and_follows_the_draw() -> None:
         drawn.append(out[0].token)
         assert out[1].token == ord("a")  # the other row is untouched
     assert bytes(drawn) in (b"xz", b"yz") and guide is not None and guide.done
+
+
+def test_temperature_draws_follow_the_softmax_and_never_pick_a_banned_token() -> None:
+    """20,000 seeded draws from softmax([log 0.5, log 0.3, log 0.2, -inf]) land within
+    five standard deviations of each probability, and the banned token never comes."""
+    probs = [0.5, 0.3, 0.2, 0.0]
+    logits = torch.tensor([[math.log(p) if p else float("-inf") for p in probs]])
+    params = [SamplingParams(temperature=1.0, max_tokens=8)]
+    generator = torch.Generator().manual_seed(7)
+    draws = 20_000
+    counts = [0] * len(probs)
+    for _ in range(draws):
+        counts[sample(logits, params, [generator])[0].token] += 1
+    assert counts[3] == 0
+    for p, count in zip(probs[:3], counts[:3], strict=True):
+        assert abs(count / draws - p) < 5 * math.sqrt(p * (1 - p) / draws)
+
+
+def test_a_seeded_draw_repeats_and_top_k_keeps_only_the_k_most_likely() -> None:
+    logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=2.0, top_k=3, max_tokens=8)]
+    top3 = set(logits[0].topk(3).indices.tolist())
+
+    def run(seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return [sample(logits, params, [generator])[0].token for _ in range(300)]
+
+    first = run(11)
+    assert first == run(11)
+    assert set(first) == top3  # all three drawn, nothing else
