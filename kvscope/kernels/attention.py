@@ -20,15 +20,13 @@ is unavailable. Setting `KVSCOPE_ATTENTION=reference` forces the reference every
 The device modules are imported lazily, on the first step on their device.
 
 On the CPU, a prefill chunk whose context (the tokens before it and its own) is at
-most `IN_PLACE_PREFILL_CONTEXT` goes through the same compiled kernel where it is ready,
-one kernel row per token, each with its own causal length (`RowRun`, built once per
-step): the kernel reads the blocks in place, and on the 2-core AVX-512 BF16 machine it
-attended 8 prompts of 256 tokens in 4.7 ms a layer against 7.9 for gather + SDPA's
-flash kernel, 4 of 512 in 9.0 against 14.3, and 2 of 1,024 in the same time (17.3
-against 17.6), beyond which SDPA's matrix multiplies win. The whole forward of the
-reference model (`docs/benchmarks`): 189 ms against 215 for 8 prompts of 256 tokens, 24
-against 28 for one. Longer chunks, other devices, and the CPU before the kernel is
-ready take gather + SDPA.
+most `IN_PLACE_PREFILL_CONTEXT` may go through the compiled kernel's `paged_prefill`
+instead (`PrefillRun`, built once per step: consecutive such chunks in one call), which
+reads the blocks in place, a tile of a chunk's rows at a time. It does where the kernel
+is ready and, timed against gather + SDPA when it loaded, was the quicker here
+(`cpu_decode.CpuKernel.prefill_in_place`): SDPA's flash kernel multiplies on AMX tiles
+where the CPU has them, and there it wins. Longer chunks, other devices, and the CPU
+before the kernel is ready take gather + SDPA (`sdpa_prefill`).
 """
 
 from __future__ import annotations
@@ -45,7 +43,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 #: Longest context (in tokens, the chunk's own included) of a prefill chunk that the
-#: compiled CPU decode kernel attends row by row; longer chunks take gather + SDPA.
+#: compiled CPU kernel may attend in place; longer chunks take gather + SDPA. (Measured
+#: for the decode kernel row by row on a CPU without AMX, where it beat SDPA to 1,024.)
 IN_PLACE_PREFILL_CONTEXT = 768
 
 
@@ -57,22 +56,21 @@ class PrefillSpan:
     context_len: int  # tokens in the cache once this chunk is written
     mask: torch.Tensor | None  # [chunk, context] bool, None when causal from position 0
     #: Its context is at most IN_PLACE_PREFILL_CONTEXT: a kernel that reads the blocks
-    #: in place takes it one row per token, in its `RowRun`.
+    #: in place may take it (in its `PrefillRun`).
     in_place: bool = False
 
 
 @attrs.frozen
-class RowRun:
-    """Consecutive prefill chunks given to a decode kernel that reads the blocks in
-    place, one row per token, in one call. A row's cost grows with its causal length and
-    the kernel gives each thread a contiguous share of the rows, so each chunk's rows go
-    longest and shortest by turns (`rows`), which evens the shares out (one prompt of 256
-    tokens in order gave one of two threads three quarters of the work) and keeps a
-    chunk's rows, which read the same blocks, together."""
+class PrefillRun:
+    """Consecutive `in_place` prefill chunks, for one call of a kernel that reads the
+    blocks in place: rows `start`..`end` of the step, chunk c's rows from `offsets[c]`
+    (relative to `start`), its first token at position `starts[c]`."""
 
-    rows: torch.Tensor  # [n] long: the rows, in the flat token layout, in the kernel's order
-    tables: torch.Tensor  # [n, max_blocks] block ids of each (padded with block 0)
-    lens: torch.Tensor  # [n] int32: the tokens each attends (its position + 1)
+    start: int
+    end: int
+    tables: torch.Tensor  # [chunks, max_blocks] block ids of each (padded with block 0)
+    starts: torch.Tensor  # [chunks] int32
+    offsets: torch.Tensor  # [chunks + 1] int32
 
 
 @attrs.frozen
@@ -83,7 +81,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends
     prefills: tuple[PrefillSpan, ...]
-    row_runs: tuple[RowRun, ...] = ()  # the `in_place` chunks, in runs
+    prefill_runs: tuple[PrefillRun, ...] = ()  # the `in_place` chunks, in runs
 
 
 def build_metadata(
@@ -147,14 +145,14 @@ def build_metadata(
         decode_mask,
         lens,
         tuple(prefills),
-        _row_runs(prefills, starts[num_decode:], device),
+        _prefill_runs(prefills, starts[num_decode:], device),
     )
 
 
-def _row_runs(
+def _prefill_runs(
     prefills: list[PrefillSpan], starts: Sequence[int], device: torch.device
-) -> tuple[RowRun, ...]:
-    """The `in_place` chunks, consecutive ones together, as rows of their own."""
+) -> tuple[PrefillRun, ...]:
+    """The `in_place` chunks, consecutive ones together."""
     runs: list[list[tuple[PrefillSpan, int]]] = []
     for index, (span, start) in enumerate(zip(prefills, starts, strict=True)):
         if not span.in_place:
@@ -167,27 +165,20 @@ def _row_runs(
     for run in runs:
         first = run[0][0].start
         width = max(len(span.blocks) for span, _ in run)
-        tables = torch.zeros(run[-1][0].end - first, width, dtype=torch.long)
-        lens = torch.empty(len(tables), dtype=torch.int32)
-        for span, start in run:
-            rows = slice(span.start - first, span.end - first)
-            tables[rows, : len(span.blocks)] = span.blocks.cpu()
-            lens[rows] = torch.arange(start + 1, span.context_len + 1, dtype=torch.int32)
-        order = torch.cat([_by_turns(span.start - first, span.end - first) for span, _ in run])
+        tables = torch.zeros(len(run), width, dtype=torch.long)
+        for row, (span, _) in enumerate(run):
+            tables[row, : len(span.blocks)] = span.blocks.cpu()
+        offsets = [span.start - first for span, _ in run] + [run[-1][0].end - first]
         built.append(
-            RowRun((order + first).to(device), tables[order].to(device), lens[order].to(device))
+            PrefillRun(
+                first,
+                run[-1][0].end,
+                tables.to(device),
+                torch.tensor([start for _, start in run], dtype=torch.int32, device=device),
+                torch.tensor(offsets, dtype=torch.int32, device=device),
+            )
         )
     return tuple(built)
-
-
-def _by_turns(begin: int, end: int) -> torch.Tensor:
-    """Rows begin..end-1 (a chunk's, each longer than the one before) longest and
-    shortest by turns: end-1, begin, end-2, begin+1, ..."""
-    rows = torch.arange(begin, end)
-    order = torch.empty_like(rows)
-    order[0::2] = rows.flip(0)[: (len(rows) + 1) // 2]
-    order[1::2] = rows[: len(rows) // 2]
-    return order
 
 
 def padding_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -237,29 +228,59 @@ def paged_attention(
                 meta.decode_context_lens,
                 scale,
             )
-    reads_in_place = getattr(decode, "in_place", None)
-    row_runs = reads_in_place is not None and reads_in_place(query.dtype)
-    if row_runs:
-        for run in meta.row_runs:
-            attended = decode(query[run.rows], key_cache, value_cache, run.tables, run.lens, scale)
-            out[run.rows] = attended
+    prefills_in_place = getattr(decode, "prefills_in_place", None)
+    in_place = prefills_in_place is not None and prefills_in_place(query.dtype)
+    if in_place:
+        for run in meta.prefill_runs:
+            rows = slice(run.start, run.end)
+            decode.prefill(  # type: ignore[attr-defined]
+                out[rows],
+                query[rows],
+                key_cache,
+                value_cache,
+                run.tables,
+                run.starts,
+                run.offsets,
+                scale,
+            )
     for span in meta.prefills:
-        if row_runs and span.in_place:
+        if in_place and span.in_place:
             continue
-        keys = _gather(key_cache, span.blocks[None])[..., : span.context_len, :]
-        values = _gather(value_cache, span.blocks[None])[..., : span.context_len, :]
-        q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-        attended = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=scale,
-            enable_gqa=True,
+        out[span.start : span.end] = sdpa_prefill(
+            query[span.start : span.end],
+            key_cache,
+            value_cache,
+            span.blocks,
+            span.context_len,
+            span.mask,
+            scale,
         )
-        out[span.start : span.end] = attended[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def sdpa_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    context_len: int,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """One chunk's rows (query [n, heads, dim]) over its gathered `blocks`: causal from
+    position 0 when `mask` is None, else as `mask` [n, context_len] says."""
+    keys = _gather(key_cache, blocks[None])[..., :context_len, :]
+    values = _gather(value_cache, blocks[None])[..., :context_len, :]
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),  # [1, heads, n, dim]
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended[0].transpose(0, 1)
 
 
 DecodeFn = Callable[

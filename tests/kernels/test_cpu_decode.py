@@ -38,19 +38,24 @@ def op():
     return kernel.op
 
 
+def random_cache(num_blocks, block_size, kv_heads, dim, dtype, generator, head_major):
+    """A random K or V cache, in the head-major storage `KVCache` uses or block-major."""
+    if head_major:
+        storage = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
+        return storage.to(dtype).permute(1, 2, 0, 3)
+    return torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator).to(dtype)
+
+
 def ragged_case(heads, kv_heads, dim, block_size, dtype, *, head_major=True, seed=0):
     generator = torch.Generator().manual_seed(seed)
     lens = [1, block_size, block_size + 1, 3 * block_size - 1, 7 * block_size + 2]
     width = max(-(-n // block_size) for n in lens)
     num_blocks = len(lens) * width + 3
 
-    def cache() -> torch.Tensor:
-        if head_major:
-            storage = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
-            return storage.to(dtype).permute(1, 2, 0, 3)
-        return torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator).to(dtype)
-
-    keys, values = cache(), cache()
+    keys, values = (
+        random_cache(num_blocks, block_size, kv_heads, dim, dtype, generator, head_major)
+        for _ in range(2)
+    )
     # Scattered blocks; the padding past each row's blocks points at block 0.
     order = torch.randperm(num_blocks, generator=generator).tolist()
     tables = torch.zeros(len(lens), width, dtype=torch.long)
@@ -148,7 +153,9 @@ def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, monkeypatch) 
         device=torch.device("cpu"),
     )
     assert [span.in_place for span in meta.prefills] == [True, True, False]
-    assert sorted(torch.cat([run.rows for run in meta.row_runs]).tolist()) == list(range(2, 35))
+    assert [(run.start, run.end) for run in meta.prefill_runs] == [(2, 35)]
+    # Through the kernel whichever was quicker on this machine when it loaded.
+    monkeypatch.setattr(cpu_kernel(), "prefill_in_place", True)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
@@ -167,7 +174,8 @@ def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, monkeypatch) 
         attention.decode_backend.cache_clear()
         try:
             backend = attention.decode_backend("cpu")
-            assert getattr(backend, "in_place", lambda _: False)(dtype) == (path == "auto")
+            in_place = getattr(backend, "prefills_in_place", lambda _: False)(dtype)
+            assert in_place == (path == "auto")
             return attention.paged_attention(query, key, value, keys, values, meta, dim**-0.5)
         finally:
             attention.decode_backend.cache_clear()
@@ -177,6 +185,74 @@ def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, monkeypatch) 
         (kernel.float() - reference.float()).abs().max() / reference.float().abs().max()
     ).item()
     assert error <= RTOL[dtype], f"max error {error:.1e} relative"
+
+
+def prefill_case(heads, kv_heads, dim, block_size, dtype, *, head_major=True, seed=0):
+    """Chunks of a step (a first chunk, later ones starting inside and at a block's
+    edge, one row, one longer than a tile of rows), as `paged_prefill` takes them, and
+    each row on its own as `reference_decode` takes it."""
+    generator = torch.Generator().manual_seed(seed)
+    starts = [0, 3, 2 * block_size, 5, 1]
+    lengths = [2 * block_size + 3, 9, block_size, 1, 70]
+    width = max(-(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True))
+    num_blocks = len(starts) * width + 2
+
+    keys, values = (
+        random_cache(num_blocks, block_size, kv_heads, dim, dtype, generator, head_major)
+        for _ in range(2)
+    )
+    tables = torch.randperm(num_blocks, generator=generator)[: len(starts) * width]
+    tables = tables.view(len(starts), width).contiguous()
+    # Scores well apart, so that a block's maximum differs from the row's.
+    query = (3 * torch.randn(sum(lengths), heads, dim, generator=generator)).to(dtype)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    row_tables = tables.repeat_interleave(torch.tensor(lengths), dim=0)
+    row_lens = torch.cat(
+        [torch.arange(s + 1, s + n + 1) for s, n in zip(starts, lengths, strict=True)]
+    ).to(torch.int32)
+    chunks = (tables, torch.tensor(starts, dtype=torch.int32), offsets)
+    return query, keys, values, chunks, (row_tables, row_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "block-major"])
+def test_prefill_kernel_matches_each_row_on_its_own(op, shape, dtype, head_major) -> None:
+    kernel = cpu_kernel()
+    heads, kv_heads, dim, block_size = shape
+    query, keys, values, chunks, rows = prefill_case(*shape, dtype, head_major=head_major)
+    ref = reference_decode(query.float(), keys.float(), values.float(), *rows, dim**-0.5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.full_like(query, float("nan"))
+            kernel.prefill_op(out, query, keys, values, *chunks, dim**-0.5)
+            error = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            assert error <= RTOL[dtype], f"max error {error:.1e} relative on {n} thread(s)"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_kernel_refuses_chunks_past_their_tables(op) -> None:
+    query, keys, values, (tables, starts, offsets), _ = prefill_case(8, 4, 64, 16, torch.float32)
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="past its block table"):
+        cpu_kernel().prefill_op(
+            out, query, keys, values, tables[:, :1].contiguous(), starts, offsets, 0.1
+        )
+    with pytest.raises(RuntimeError, match="span the query"):
+        cpu_kernel().prefill_op(out, query, keys, values, tables, starts, offsets - 1, 0.1)
+
+
+@pytest.mark.parametrize("choice", ["kernel", "sdpa"])
+def test_kvscope_prefill_says_which_attends_prefill_chunks(op, choice, monkeypatch) -> None:
+    from kvscope.kernels.cpu_decode import CpuKernel
+
+    monkeypatch.setenv("KVSCOPE_PREFILL", choice)
+    kernel = CpuKernel()  # loads the build the session already made
+    assert kernel.wait(timeout=60), kernel.why_not
+    assert kernel.prefill_in_place == (choice == "kernel")
 
 
 def _expected_isa() -> str:

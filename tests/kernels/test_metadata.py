@@ -46,16 +46,13 @@ def test_slots_rows_and_spans_of_a_mixed_step() -> None:
     assert later.mask is not None and later.mask.shape == (9, 14)
     # Row q (position 5 + q) sees positions 0 .. 5 + q.
     assert later.mask.sum(dim=1).tolist() == [6 + q for q in range(9)]
-    # Both chunks are short enough for an in-place kernel, row by row: one run of their
-    # 15 rows, each chunk's longest and shortest by turns, each row with its chunk's
-    # blocks and its own causal length.
+    # Both chunks are short enough for an in-place kernel: one run of their 15 rows,
+    # each chunk with its blocks, where its rows begin and its first token's position.
     assert first.in_place and later.in_place
-    (run,) = meta.row_runs
-    assert run.rows.tolist() == [7, 2, 6, 3, 5, 4, 16, 8, 15, 9, 14, 10, 13, 11, 12]
-    lens = dict(zip(run.rows.tolist(), run.lens.tolist(), strict=True))
-    assert [lens[row] for row in range(2, 17)] == [1, 2, 3, 4, 5, 6] + [6 + q for q in range(9)]
-    assert run.tables[0].tolist() == [3, 8, 0, 0] and run.tables[1].tolist() == [3, 8, 0, 0]
-    assert run.tables[6].tolist() == [0, 4, 10, 11]
+    (run,) = meta.prefill_runs
+    assert (run.start, run.end) == (2, 17)
+    assert run.offsets.tolist() == [0, 6, 15] and run.starts.tolist() == [0, 5]
+    assert run.tables.tolist() == [[3, 8, 0, 0], [0, 4, 10, 11]]
 
 
 def test_a_chunk_past_the_in_place_limit_stays_on_sdpa(monkeypatch) -> None:
@@ -70,7 +67,8 @@ def test_a_chunk_past_the_in_place_limit_stays_on_sdpa(monkeypatch) -> None:
         device=torch.device("cpu"),
     )
     assert [span.in_place for span in meta.prefills] == [True, False, True]
-    assert [run.rows.tolist() for run in meta.row_runs] == [[5, 0, 4, 1, 3, 2], [18, 15, 17, 16]]
+    assert [(run.start, run.end) for run in meta.prefill_runs] == [(0, 6), (15, 19)]
+    assert [run.starts.tolist() for run in meta.prefill_runs] == [[0], [2]]
 
 
 def test_an_empty_step_has_no_slots() -> None:

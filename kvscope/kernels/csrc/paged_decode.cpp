@@ -115,6 +115,13 @@ inline I to_int(V a) { return _mm512_cvttps_epi32(a); }
 inline V pow2(I n) {  // 2^n for integer n in float range
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
 }
+// x where the lane's index is below n, else `other`.
+inline V below(int64_t n, V x, V other) {
+  const __mmask16 keep = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  return _mm512_mask_blend_ps(keep, other, x);
+}
+inline float hmax(V v) { return _mm512_reduce_max_ps(v); }
+inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
 // The 16 lanes folded to 8.
 inline __m256 fold(V v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v),
@@ -142,6 +149,20 @@ inline V floor(V a) { return _mm256_floor_ps(a); }
 inline I to_int(V a) { return _mm256_cvttps_epi32(a); }
 inline V pow2(I n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+inline V below(int64_t n, V x, V other) {
+  const V lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_blendv_ps(other, x, _mm256_cmp_ps(lane, set1(static_cast<float>(n)), _CMP_LT_OQ));
+}
+inline float hmax(V v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float hsum(V v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 inline __m256 fold(V v) { return v; }
 #endif
@@ -471,9 +492,9 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   });
 }
 
-void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                  const at::Tensor& context_lens, double scale) {
+// What both ops ask of their tensors.
+void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [batch, heads, dim]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "caches: [blocks, block_size, kv_heads, dim]");
@@ -487,8 +508,313 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
                   query.scalar_type() == out.scalar_type(),
               "query, out and caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && block_tables.size(0) == query.size(0),
-              "block_tables: contiguous int64 [batch, max_blocks]");
+                  block_tables.dim() == 2,
+              "block_tables: contiguous int64 [rows, max_blocks]");
+}
+
+// ---- Prefill: a chunk's rows attend together, a tile of rows at a time ----------
+//
+// The rows of one prefill chunk read the same blocks, each up to its own causal length
+// (its position + 1). A work item is (chunk, KV head, tile of up to TILE_ROWS rows): it
+// converts each block's keys once, transposed ([dim][keys], so one row's scores against
+// the block are a vector: a multiply-add per dimension, no horizontal sums) and its
+// values once to float32, and every row of the tile and head of the group uses them.
+// The softmax is online, per row and head, as in the decode path.
+
+constexpr int64_t TILE_ROWS = 32;
+
+#ifdef KVSCOPE_SIMD
+constexpr int64_t LANES = simd::W;
+#else
+constexpr int64_t LANES = 1;
+#endif
+
+// Row-heads (a tile row under one query head) computed together: independent
+// multiply-add chains that share each load of a key or value vector.
+constexpr int64_t ROW_HEADS = 8;
+
+template <typename T>
+struct PrefillTile {
+  const Problem<T>& pb;
+  int64_t padded;            // block_size rounded up to LANES
+  int64_t slots;             // TILE_ROWS * group rounded up to ROW_HEADS
+  std::vector<float> kt;     // [dim][padded] the block's keys, transposed, zero padded
+  std::vector<float> vf;     // [padded][dim] its values (rows past the block's end: zero)
+  std::vector<float> qf;     // [slots][dim] scaled queries (unused slots: zero)
+  std::vector<float> acc;    // [slots][dim]
+  std::vector<float> probs;  // [slots][padded] scores, then probabilities, of a block
+  std::vector<float> run_max, run_sum, correction;
+  std::vector<int64_t> valid;  // [slots] keys of the block each row-head sees
+
+  explicit PrefillTile(const Problem<T>& problem)
+      : pb(problem),
+        padded((problem.block_size + LANES - 1) / LANES * LANES),
+        slots((TILE_ROWS * problem.group + ROW_HEADS - 1) / ROW_HEADS * ROW_HEADS),
+        kt(problem.dim * padded),
+        vf(padded * problem.dim),
+        qf(slots * problem.dim),
+        acc(slots * problem.dim),
+        probs(slots * padded),
+        run_max(slots),
+        run_sum(slots),
+        correction(slots),
+        valid(slots) {}
+
+  // The block's first n keys and values of KV head h, converted.
+  void load_block(int64_t block, int64_t h, int64_t n) {
+    const int64_t dim = pb.dim;
+    const T* keys = pb.kc + block * pb.ks0 + h * pb.ks2;
+    const T* values = pb.vc + block * pb.vs0 + h * pb.vs2;
+    for (int64_t t = 0; t < n; ++t) load_row(values + t * pb.vs1, &vf[t * dim], dim);
+    std::fill(vf.begin() + n * dim, vf.end(), 0.0f);
+    if (transpose_keys(keys, n)) return;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = keys + t * pb.ks1;
+      for (int64_t d = 0; d < dim; ++d) kt[d * padded + t] = to_float(k[d]);
+    }
+    for (int64_t d = 0; d < dim; ++d) std::fill(&kt[d * padded + n], &kt[(d + 1) * padded], 0.0f);
+  }
+
+  // kt from the block's keys with AVX-512 gathers (one 32-bit word of each of the 16
+  // keys at a time: two bfloat16 dimensions or one float32); false where that path
+  // does not apply and the scalar copy above does it.
+  bool transpose_keys(const T* keys, int64_t n) {
+#if defined(__AVX512F__)
+    if (padded != 16 || pb.ks1 * static_cast<int64_t>(sizeof(T)) * 16 > (int64_t{1} << 30))
+      return false;
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(static_cast<int>(pb.ks1 * sizeof(T))));
+    const char* base = reinterpret_cast<const char*>(keys);
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (pb.dim % 2 != 0) return false;
+      for (int64_t d = 0; d < pb.dim; d += 2) {
+        const __m512i pair = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at,
+                                                         base + d * sizeof(T), 1);
+        _mm512_storeu_ps(&kt[d * 16], _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+        _mm512_storeu_ps(&kt[(d + 1) * 16], _mm512_castsi512_ps(_mm512_and_si512(
+                                                pair, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+      }
+    } else {
+      for (int64_t d = 0; d < pb.dim; ++d)
+        _mm512_storeu_ps(&kt[d * 16], _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at,
+                                                               base + d * sizeof(T), 1));
+    }
+    return true;
+#else
+    (void)keys, (void)n;
+    return false;
+#endif
+  }
+
+  // probs[s, :] = qf[s] . keys, for the ROW_HEADS slots from s0.
+  void scores(int64_t s0) {
+    const int64_t dim = pb.dim;
+    const float* q = &qf[s0 * dim];
+    float* out = &probs[s0 * padded];
+#ifdef KVSCOPE_SIMD
+    using namespace simd;
+    for (int64_t t = 0; t < padded; t += W) {
+      V a[ROW_HEADS];
+      for (auto& x : a) x = zero();
+      for (int64_t d = 0; d < dim; ++d) {
+        const V k = load(&kt[d * padded + t]);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < ROW_HEADS; ++r) a[r] = fmadd(set1(q[r * dim + d]), k, a[r]);
+      }
+      for (int64_t r = 0; r < ROW_HEADS; ++r) store(&out[r * padded + t], a[r]);
+    }
+#else
+    std::fill(out, out + ROW_HEADS * padded, 0.0f);
+    for (int64_t r = 0; r < ROW_HEADS; ++r)
+      for (int64_t d = 0; d < dim; ++d)
+        for (int64_t t = 0; t < padded; ++t) out[r * padded + t] += q[r * dim + d] * kt[d * padded + t];
+#endif
+  }
+
+  // One slot's online softmax step: its scores become probabilities (0 past `valid`),
+  // and `correction` is what its earlier sums are scaled by.
+  void softmax(int64_t slot) {
+    float* s = &probs[slot * padded];
+    const int64_t n = valid[slot];
+    if (n <= 0) {  // this row's causal length ends before the block
+      std::fill(s, s + padded, 0.0f);
+      correction[slot] = 1.0f;
+      return;
+    }
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+#ifdef KVSCOPE_SIMD
+    if (padded == simd::W) {  // the block in one vector
+      using namespace simd;
+      const V scores = below(n, load(s), set1(neg_inf));
+      const float new_max = std::max(run_max[slot], hmax(scores));
+      correction[slot] = std::exp(run_max[slot] - new_max);
+      run_max[slot] = new_max;
+      const V p = below(n, exp(sub(scores, set1(new_max))), zero());
+      store(s, p);
+      run_sum[slot] = run_sum[slot] * correction[slot] + hsum(p);
+      return;
+    }
+#endif
+    float block_max = neg_inf;
+    for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+    const float new_max = std::max(run_max[slot], block_max);
+    correction[slot] = std::exp(run_max[slot] - new_max);  // 0 on the first block
+    run_max[slot] = new_max;
+    Problem<T>::exp_shifted(s, n, new_max);
+    std::fill(s + n, s + padded, 0.0f);
+    float sum = 0;
+    for (int64_t t = 0; t < n; ++t) sum += s[t];
+    run_sum[slot] = run_sum[slot] * correction[slot] + sum;
+  }
+
+  // acc[s] = acc[s] * correction[s] + probs[s] . values, for the ROW_HEADS slots from s0.
+  void add_values(int64_t s0) {
+    const int64_t dim = pb.dim;
+    const float* p = &probs[s0 * padded];
+    float* out = &acc[s0 * dim];
+#ifdef KVSCOPE_SIMD
+    if (dim % simd::W == 0) {
+      using namespace simd;
+      for (int64_t d = 0; d < dim; d += W) {
+        V a[ROW_HEADS];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < ROW_HEADS; ++r)
+          a[r] = mul(load(&out[r * dim + d]), set1(correction[s0 + r]));
+        for (int64_t t = 0; t < padded; ++t) {
+          const V v = load(&vf[t * dim + d]);
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < ROW_HEADS; ++r) a[r] = fmadd(set1(p[r * padded + t]), v, a[r]);
+        }
+        for (int64_t r = 0; r < ROW_HEADS; ++r) store(&out[r * dim + d], a[r]);
+      }
+      return;
+    }
+#endif
+    for (int64_t r = 0; r < ROW_HEADS; ++r) {
+      float* a = &out[r * dim];
+      for (int64_t d = 0; d < dim; ++d) a[d] *= correction[s0 + r];
+      for (int64_t t = 0; t < padded; ++t)
+        for (int64_t d = 0; d < dim; ++d) a[d] += p[r * padded + t] * vf[t * dim + d];
+    }
+  }
+
+  // Rows [i0, i1) of a chunk whose first row is `row0` in the query and whose first
+  // token sits at position `start`, under KV head h, with blocks `table`.
+  void attend(const int64_t* table, int64_t row0, int64_t start, int64_t i0, int64_t i1,
+              int64_t h, T* o, int64_t os0, int64_t os1) {
+    const int64_t dim = pb.dim, group = pb.group, bs = pb.block_size;
+    const int64_t used = (i1 - i0) * group;  // slot r * group + g: row i0 + r, head g
+    std::fill(qf.begin(), qf.end(), 0.0f);
+    for (int64_t slot = 0; slot < used; ++slot) {
+      const int64_t r = slot / group, g = slot % group;
+      const T* src = pb.q + (row0 + i0 + r) * pb.qs0 + (h * group + g) * pb.qs1;
+      for (int64_t d = 0; d < dim; ++d) qf[slot * dim + d] = to_float(src[d]) * pb.scale;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+    std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+    const int64_t longest = start + i1;  // the tile's last row attends this many tokens
+    const int64_t num_blocks = (longest + bs - 1) / bs;
+    const int64_t batches = (used + ROW_HEADS - 1) / ROW_HEADS;
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      if (j + 1 < num_blocks) pb.prefetch_block(table[j + 1], h);
+      const int64_t n = std::min(bs, longest - j * bs);
+      load_block(table[j], h, n);
+      for (int64_t slot = 0; slot < batches * ROW_HEADS; ++slot)
+        valid[slot] = slot < used ? std::min(n, start + i0 + slot / group + 1 - j * bs) : 0;
+      for (int64_t batch = 0; batch < batches; ++batch) {
+        const int64_t s0 = batch * ROW_HEADS;
+        if (*std::max_element(&valid[s0], &valid[s0] + ROW_HEADS) <= 0) continue;  // all ended
+        scores(s0);
+        for (int64_t slot = s0; slot < s0 + ROW_HEADS; ++slot) softmax(slot);
+        add_values(s0);
+      }
+    }
+    for (int64_t slot = 0; slot < used; ++slot) {
+      const int64_t r = slot / group, g = slot % group;
+      const float inv = run_sum[slot] > 0 ? 1.0f / run_sum[slot] : 0.0f;
+      T* dst = o + (row0 + i0 + r) * os0 + (h * group + g) * os1;
+      for (int64_t d = 0; d < dim; ++d) from_float(acc[slot * dim + d] * inv, &dst[d]);
+    }
+  }
+};
+
+template <typename T>
+void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+             const at::Tensor& value_cache, const at::Tensor& block_tables,
+             const at::Tensor& starts, const at::Tensor& offsets, double scale) {
+  const int64_t heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
+  const int64_t chunks = block_tables.size(0), max_blocks = block_tables.size(1);
+  const Problem<T> pb{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                      block_tables.data_ptr<int64_t>(), nullptr, heads, dim, block_size,
+                      kv_heads, heads / kv_heads, max_blocks, query.stride(0), query.stride(1),
+                      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                      value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+                      static_cast<float>(scale)};
+  const int32_t* start = starts.data_ptr<int32_t>();
+  const int32_t* offset = offsets.data_ptr<int32_t>();
+  // Items (chunk, head, tile); a chunk's tiles longest and shortest by turns, so that
+  // the threads' contiguous shares of the items cost about the same.
+  struct Item {
+    int64_t chunk, head, tile;
+  };
+  std::vector<Item> items;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t tiles = (offset[c + 1] - offset[c] + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t k = 0; k < tiles; ++k)
+        items.push_back({c, h, k % 2 == 0 ? tiles - 1 - k / 2 : k / 2});
+  }
+  T* o = out.data_ptr<T>();
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    PrefillTile<T> tile(pb);
+    for (int64_t at = begin; at < end; ++at) {
+      const Item& item = items[at];
+      const int64_t rows = offset[item.chunk + 1] - offset[item.chunk];
+      const int64_t i0 = item.tile * TILE_ROWS, i1 = std::min(i0 + TILE_ROWS, rows);
+      tile.attend(pb.tables + item.chunk * max_blocks, offset[item.chunk], start[item.chunk], i0,
+                  i1, item.head, o, os0, os1);
+    }
+  });
+}
+
+void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& block_tables,
+                   const at::Tensor& starts, const at::Tensor& offsets, double scale) {
+  check_shapes(out, query, key_cache, value_cache, block_tables);
+  TORCH_CHECK(starts.scalar_type() == at::kInt && starts.is_contiguous() &&
+                  starts.numel() == block_tables.size(0),
+              "starts: contiguous int32 [chunks]");
+  TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.is_contiguous() &&
+                  offsets.numel() == block_tables.size(0) + 1,
+              "offsets: contiguous int32 [chunks + 1]");
+  const int32_t* offset = offsets.data_ptr<int32_t>();
+  const int32_t* start = starts.data_ptr<int32_t>();
+  const int64_t chunks = block_tables.size(0), block_size = key_cache.size(1);
+  TORCH_CHECK(offset[0] == 0 && offset[chunks] == query.size(0), "offsets must span the query");
+  for (int64_t c = 0; c < chunks; ++c) {
+    TORCH_CHECK(offset[c + 1] >= offset[c] && start[c] >= 0, "offsets ascend, starts >= 0");
+    TORCH_CHECK(start[c] + offset[c + 1] - offset[c] <= block_tables.size(1) * block_size,
+                "a chunk reaches past its block table");
+  }
+  if (query.scalar_type() == at::kFloat) {
+    prefill<float>(out, query, key_cache, value_cache, block_tables, starts, offsets, scale);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    prefill<bf16>(out, query, key_cache, value_cache, block_tables, starts, offsets, scale);
+  } else {
+    TORCH_CHECK(false, "paged_prefill supports float32 and bfloat16, not ", query.scalar_type());
+  }
+}
+
+void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& context_lens, double scale) {
+  check_shapes(out, query, key_cache, value_cache, block_tables);
+  TORCH_CHECK(block_tables.size(0) == query.size(0), "block_tables: one row per query row");
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
                   context_lens.numel() == query.size(0),
               "context_lens: contiguous int32 [batch]");
@@ -520,7 +846,13 @@ TORCH_LIBRARY(kvscope, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.def(
+      "paged_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor starts, Tensor offsets, float scale) -> ()");
   m.def("paged_decode_isa() -> str", &paged_decode_isa);
 }
 
-TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_prefill", &paged_prefill);
+}
