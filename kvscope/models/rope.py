@@ -67,7 +67,16 @@ def rotary_tables(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, dim]; cos/sin: [tokens, dim] already in x's dtype."""
+    """x: [tokens, heads, dim]; cos/sin: [tokens, dim] already in x's dtype, each the
+    same in both halves (`rotary_tables`).
+
+    Hugging Face's `x * cos + rotate_half(x) * sin`, rounded the same way (a - b is
+    a + (-b) exactly), without building `rotate_half(x)`: the halves' products are added
+    into `x * cos` in place. A negation and a concatenation fewer, each a pass over q
+    and k: 8 prompts of 256 tokens spent ~11 ms of a ~190 ms forward in them."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    out = x * cos[:, None, :]
+    sin_half = sin[:, None, :half]
+    out[..., :half] -= x[..., half:] * sin_half
+    out[..., half:] += x[..., :half] * sin_half
+    return out

@@ -22,9 +22,18 @@ from kvscope.kernels import attention
 from kvscope.kernels.attention import reference_decode
 from kvscope.kernels.cpu_decode import SOURCE, build_command, compiler, cpu_kernel, prune_builds
 
-# (heads, kv_heads, head_dim, block_size): GQA 2, 4 and 6 to 1, MHA, head sizes that
-# are not a multiple of 8, a block size that is not a power of two.
-SHAPES = [(8, 4, 64, 16), (8, 2, 32, 8), (4, 4, 16, 4), (6, 1, 24, 5), (12, 4, 20, 16)]
+# (heads, kv_heads, head_dim, block_size): GQA 2, 3, 4 and 6 to 1, MHA, head sizes
+# that are not a multiple of 8, a block size that is not a power of two; GQA 3 and 6
+# also with head sizes the vector path takes (its value sums go 4 heads at a time).
+SHAPES = [
+    (8, 4, 64, 16),
+    (8, 2, 32, 8),
+    (4, 4, 16, 4),
+    (6, 1, 24, 5),
+    (12, 4, 20, 16),
+    (12, 4, 64, 16),
+    (6, 1, 32, 16),
+]
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 REPO = Path(__file__).resolve().parents[2]
 
