@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -47,7 +47,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+#: Compiled into one library; `simd.h` beside them is theirs too (the cache key reads
+#: every file of `csrc`).
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp")
 #: Flags beyond torch's include and library paths. `-march=native`: the build is for
 #: this machine only, and its cache key includes the CPU's flags.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++20", "-shared", "-fPIC")
@@ -89,7 +92,7 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build_command(cxx: str, source: Path, output: Path) -> list[str]:
+def build_command(cxx: str, sources: Sequence[Path], output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = str(Path(torch.__file__).parent / "lib")
@@ -100,7 +103,7 @@ def build_command(cxx: str, source: Path, output: Path) -> list[str]:
         "-fopenmp",  # at::parallel_for's OpenMP backend; resolves to torch's own libgomp
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in include_paths()),
-        str(source),
+        *(str(source) for source in sources),
         "-o",
         str(output),
         f"-L{torch_lib}",
@@ -111,10 +114,13 @@ def build_command(cxx: str, source: Path, output: Path) -> list[str]:
 
 
 def library_path(cxx: str) -> Path:
-    """Where the build for this source, torch, compiler and CPU lives."""
+    """Where the build for these sources, torch, compiler and CPU lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__, cxx, " ".join(FLAGS), _cpu_flags()):
-        key.update(part if isinstance(part, bytes) else part.encode())
+    for source in sorted(CSRC.iterdir()):
+        if source.is_file():
+            key.update(source.read_bytes())
+    for part in (torch.__version__, cxx, " ".join(FLAGS), _cpu_flags()):
+        key.update(part.encode())
     key.update(sys.version.encode())
     return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
 
@@ -128,6 +134,9 @@ class CpuKernel:
         self._started = False
         self.op: Callable[..., None] | None = None
         self.prefill_op: Callable[..., None] | None = None
+        #: The fused elementwise steps (`csrc/elementwise.cpp`, used by `kernels/fused.py`).
+        self.silu_and_mul_op: Callable[..., None] | None = None
+        self.rms_norm_op: Callable[..., None] | None = None
         #: Whether prefill chunks go through `prefill_op` rather than gather + SDPA.
         self.prefill_in_place = False
         self.why_not: str | None = None  # why the fallback serves, once known
@@ -179,7 +188,7 @@ class CpuKernel:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
             os.close(fd)
             result = subprocess.run(
-                build_command(cxx, SOURCE, Path(tmp)), capture_output=True, text=True
+                build_command(cxx, SOURCES, Path(tmp)), capture_output=True, text=True
             )
             if result.returncode != 0:
                 os.unlink(tmp)
@@ -198,13 +207,17 @@ class CpuKernel:
             torch.ops.load_library(str(path))
             op = torch.ops.kvscope.paged_decode.default
             prefill_op = torch.ops.kvscope.paged_prefill.default
+            silu_and_mul = torch.ops.kvscope.silu_and_mul.default
+            rms_norm = torch.ops.kvscope.rms_norm.default
             isa = str(torch.ops.kvscope.paged_decode_isa())
             _check(op)
             _check_prefill(prefill_op)
+            _check_elementwise(silu_and_mul, rms_norm)
         except Exception as exc:  # a stale or broken build: never let it serve
             self._give_up(f"the kernel at {path} did not load or check out ({exc})")
             return
         self.prefill_in_place = _prefill_in_place(prefill_op)
+        self.silu_and_mul_op, self.rms_norm_op = silu_and_mul, rms_norm
         self.op, self.prefill_op, self.isa = op, prefill_op, isa
         with contextlib.suppress(OSError):
             os.utime(path)  # "recent" for `prune_builds` means recently used
@@ -372,6 +385,27 @@ def _check_prefill(op: Callable[..., None]) -> None:
         error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         if not error <= CHECK_RTOL[dtype]:
             raise RuntimeError(f"{dtype} prefill result off by {error:.1e} relative")
+
+
+def _check_elementwise(silu_and_mul: Callable[..., None], rms_norm: Callable[..., None]) -> None:
+    """Raise unless the fused ops agree with torch's unfused ones (rows of a width the
+    vector path does not divide, so its tail loop runs too)."""
+    from .fused import torch_rms_norm, torch_silu_and_mul
+
+    generator = torch.Generator().manual_seed(2)
+    for dtype in DTYPES:
+        x = (3 * torch.randn(5, 74, generator=generator)).to(dtype)
+        weight = (torch.rand(74, generator=generator) + 0.5).to(dtype)
+        activated, normed = x.new_empty(5, 37), torch.empty_like(x)
+        silu_and_mul(activated, x)
+        rms_norm(normed, x, weight, 1e-6)
+        for name, out, ref in (
+            ("silu_and_mul", activated, torch_silu_and_mul(x)),
+            ("rms_norm", normed, torch_rms_norm(x, weight, 1e-6)),
+        ):
+            error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            if not error <= CHECK_RTOL[dtype]:
+                raise RuntimeError(f"{dtype} {name} off by {error:.1e} relative")
 
 
 @cache

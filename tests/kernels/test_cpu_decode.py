@@ -20,7 +20,7 @@ import torch
 
 from kvscope.kernels import attention
 from kvscope.kernels.attention import reference_decode
-from kvscope.kernels.cpu_decode import SOURCE, build_command, compiler, cpu_kernel, prune_builds
+from kvscope.kernels.cpu_decode import SOURCES, build_command, compiler, cpu_kernel, prune_builds
 
 # (heads, kv_heads, head_dim, block_size): GQA 2, 3, 4 and 6 to 1, MHA, head sizes
 # that are not a multiple of 8, a block size that is not a power of two; GQA 3 and 6
@@ -39,12 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def op():
-    if compiler() is None:
-        pytest.skip("no C++ compiler here: the engine serves on the torch fallback")
-    kernel = cpu_kernel()
-    assert kernel.wait(timeout=900), kernel.why_not
-    return kernel.op
+def op(cpu_library):
+    return cpu_library.op
 
 
 def random_cache(num_blocks, block_size, kv_heads, dim, dtype, generator, head_major):
@@ -282,7 +278,7 @@ def test_every_vector_path_compiles(tmp_path: Path) -> None:
     """The source compiles for each instruction set's path, including those this CPU
     cannot run (which the parity tests above cannot reach here): scalar, AVX2,
     AVX-512 and AVX-512 BF16."""
-    command = build_command(compiler(), SOURCE, tmp_path / "unused.so")
+    command = build_command(compiler(), SOURCES, tmp_path / "unused.so")
 
     def compile_for(march: str) -> tuple[str, subprocess.CompletedProcess[str]]:
         flags = [f"-march={march}" if a == "-march=native" else a for a in command]
