@@ -1,10 +1,11 @@
-"""The compiled CPU decode kernel: `csrc/paged_decode.cpp`, which attends over the paged
-K/V blocks in place instead of gathering them first.
+"""The compiled CPU library: the decode kernel (`csrc/paged_decode.cpp`), which attends
+over the paged K/V blocks in place instead of gathering them first, the prefill kernel
+beside it, and the fused elementwise steps (`csrc/elementwise.cpp`, used by `fused.py`).
 
 It is built once per machine, the first time an engine runs on the CPU, into a cache
 directory (`$KVSCOPE_KERNEL_CACHE`, else `$TORCH_EXTENSIONS_DIR/kvscope`, else
 `~/.cache/kvscope/kernels`), by invoking the C++ compiler (`$CXX`, default `g++`)
-directly on the source with torch's headers and libraries: no build tool, no new
+directly on the sources with torch's headers and libraries: no build tool, no new
 dependency. The build runs in a background thread, so the engine serves at once on the
 torch fallback and switches to the kernel when it is ready; a cached build is loaded at
 once. The shared library registers `torch.ops.kvscope.paged_decode` and is loaded with
