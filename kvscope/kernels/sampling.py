@@ -239,7 +239,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
 def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from `probs` with one uniform number: the first token whose cumulative
     probability passes it. `torch.multinomial` draws an exponential number per token,
-    which on the CPU took 130 us for 8,000 tokens (this: 8 us), a third of a 32-row
+    which on the CPU took 130 us for 8,000 tokens (this: 8 us), a fifth of a 32-row
     decode step of the reference model, and grows with the vocabulary. A token of
     probability 0 is never drawn: its cumulative sum equals the one before it."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
