@@ -349,9 +349,7 @@ def _check(op: Callable[..., None]) -> None:
             out = torch.empty_like(query)
             op(out, query, keys, values, tables, lens, dim**-0.5)
             ref = reference_decode(query, keys, values, tables, lens, dim**-0.5)
-            error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            if not error <= CHECK_RTOL[dtype]:
-                raise RuntimeError(f"{dtype} result off by {error:.1e} relative")
+            _require_close(out, ref, f"{dtype} result")
 
 
 def _check_prefill(op: Callable[..., None]) -> None:
@@ -383,9 +381,7 @@ def _check_prefill(op: Callable[..., None]) -> None:
             [torch.arange(s + 1, s + n + 1) for s, n in zip(starts, lengths, strict=True)]
         ).to(torch.int32)
         ref = reference_decode(query, keys, values, row_tables, row_lens, 0.2)
-        error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        if not error <= CHECK_RTOL[dtype]:
-            raise RuntimeError(f"{dtype} prefill result off by {error:.1e} relative")
+        _require_close(out, ref, f"{dtype} prefill result")
 
 
 def _check_elementwise(silu_and_mul: Callable[..., None], rms_norm: Callable[..., None]) -> None:
@@ -400,13 +396,15 @@ def _check_elementwise(silu_and_mul: Callable[..., None], rms_norm: Callable[...
         activated, normed = x.new_empty(5, 37), torch.empty_like(x)
         silu_and_mul(activated, x)
         rms_norm(normed, x, weight, 1e-6)
-        for name, out, ref in (
-            ("silu_and_mul", activated, torch_silu_and_mul(x)),
-            ("rms_norm", normed, torch_rms_norm(x, weight, 1e-6)),
-        ):
-            error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            if not error <= CHECK_RTOL[dtype]:
-                raise RuntimeError(f"{dtype} {name} off by {error:.1e} relative")
+        _require_close(activated, torch_silu_and_mul(x), f"{dtype} silu_and_mul")
+        _require_close(normed, torch_rms_norm(x, weight, 1e-6), f"{dtype} rms_norm")
+
+
+def _require_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Raise unless `out` is within `CHECK_RTOL` of `ref`, relative to its largest value."""
+    error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    if not error <= CHECK_RTOL[out.dtype]:
+        raise RuntimeError(f"{what} off by {error:.1e} relative")
 
 
 @cache
