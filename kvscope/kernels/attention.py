@@ -195,14 +195,18 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    written: bool = False,
 ) -> torch.Tensor:
-    """Write `key`/`value` ([tokens, kv_heads, dim]) into the cache, then attend.
+    """Write `key`/`value` ([tokens, kv_heads, dim]) into the cache (unless `written`:
+    the caller did, `fused.rope_and_cache`), then attend.
 
     `query` is [tokens, heads, dim]; returns [tokens, heads * dim].
     """
     num_tokens, num_heads, head_dim = query.shape
-    write_slots(key_cache, meta.slot_mapping, key)
-    write_slots(value_cache, meta.slot_mapping, value)
+    if not written:
+        write_slots(key_cache, meta.slot_mapping, key)
+        write_slots(value_cache, meta.slot_mapping, value)
 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     decode = decode_backend(query.device.type)

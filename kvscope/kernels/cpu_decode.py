@@ -138,6 +138,7 @@ class CpuKernel:
         #: The fused elementwise steps (`csrc/elementwise.cpp`, used by `kernels/fused.py`).
         self.silu_and_mul_op: Callable[..., None] | None = None
         self.rms_norm_op: Callable[..., None] | None = None
+        self.rope_and_cache_op: Callable[..., None] | None = None
         #: Whether prefill chunks go through `prefill_op` rather than gather + SDPA.
         self.prefill_in_place = False
         self.why_not: str | None = None  # why the fallback serves, once known
@@ -210,15 +211,18 @@ class CpuKernel:
             prefill_op = torch.ops.kvscope.paged_prefill.default
             silu_and_mul = torch.ops.kvscope.silu_and_mul.default
             rms_norm = torch.ops.kvscope.rms_norm.default
+            rope_and_cache = torch.ops.kvscope.rope_and_cache.default
             isa = str(torch.ops.kvscope.paged_decode_isa())
             _check(op)
             _check_prefill(prefill_op)
             _check_elementwise(silu_and_mul, rms_norm)
+            _check_rope_and_cache(rope_and_cache)
         except Exception as exc:  # a stale or broken build: never let it serve
             self._give_up(f"the kernel at {path} did not load or check out ({exc})")
             return
         self.prefill_in_place = _prefill_in_place(prefill_op)
         self.silu_and_mul_op, self.rms_norm_op = silu_and_mul, rms_norm
+        self.rope_and_cache_op = rope_and_cache
         self.op, self.prefill_op, self.isa = op, prefill_op, isa
         with contextlib.suppress(OSError):
             os.utime(path)  # "recent" for `prune_builds` means recently used
@@ -398,6 +402,33 @@ def _check_elementwise(silu_and_mul: Callable[..., None], rms_norm: Callable[...
         rms_norm(normed, x, weight, 1e-6)
         _require_close(activated, torch_silu_and_mul(x), f"{dtype} silu_and_mul")
         _require_close(normed, torch_rms_norm(x, weight, 1e-6), f"{dtype} rms_norm")
+
+
+def _check_rope_and_cache(rope_and_cache: Callable[..., None]) -> None:
+    """Raise unless the fused rotary embedding and cache write agree with
+    `apply_rotary` and `write_slots` (a head dim the vector path does not divide)."""
+    from kvscope.models.rope import apply_rotary
+
+    from .attention import write_slots
+
+    generator = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        tokens, heads, kv_heads, dim = 5, 3, 1, 20
+        qk = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
+        v = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+        angles = torch.rand(tokens, dim // 2, generator=generator) * 6
+        cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+        sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(dtype)
+        slots = torch.tensor([9, 0, 17, 4, 30])
+        caches = [torch.zeros(kv_heads, 4, 8, dim, dtype=dtype).permute(1, 2, 0, 3) for _ in "kvKV"]
+        rotated = qk.clone()
+        rope_and_cache(rotated, v, cos, sin, slots, caches[0], caches[1])
+        expected = apply_rotary(qk, cos, sin)
+        write_slots(caches[2], slots, expected[:, heads - kv_heads :])
+        write_slots(caches[3], slots, v)
+        _require_close(rotated, expected, f"{dtype} rope_and_cache")
+        _require_close(caches[0], caches[2], f"{dtype} rope_and_cache keys")
+        _require_close(caches[1], caches[3], f"{dtype} rope_and_cache values")
 
 
 def _require_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:

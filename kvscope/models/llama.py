@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels import linear
 from kvscope.kernels.attention import AttentionMetadata, paged_attention
-from kvscope.kernels.fused import rms_norm, silu_and_mul
+from kvscope.kernels.fused import rms_norm, rope_and_cache, silu_and_mul
 from kvscope.kernels.linear import Linear
 
 from .config import ModelConfig
@@ -212,11 +212,16 @@ class LlamaModel:
                 q = rms_norm(q.view(num_tokens, c.num_heads, c.head_dim), layer.q_norm, eps)
                 k = rms_norm(k.view(num_tokens, c.num_kv_heads, c.head_dim), layer.k_norm, eps)
                 qk = torch.cat([q, k], dim=1)
-            # q and k heads rotated together: one set of ops for both.
-            qk = apply_rotary(qk.view(num_tokens, -1, c.head_dim), cos, sin)
+            # q and k heads rotated together: one set of ops for both (on the CPU, one
+            # pass that also writes k and v into the cache).
+            qk = qk.view(num_tokens, -1, c.head_dim)
+            keys, values = kv_cache.keys[index], kv_cache.values[index]
+            written = rope_and_cache(qk, v, cos, sin, batch.meta.slot_mapping, keys, values)
+            if not written:
+                qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             attended = paged_attention(
-                q, k, v, kv_cache.keys[index], kv_cache.values[index], batch.meta, self.scale
+                q, k, v, keys, values, batch.meta, self.scale, written=written
             )
             if between is not None:
                 between()

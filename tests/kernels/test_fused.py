@@ -1,7 +1,7 @@
 """The fused elementwise steps (`kernels/fused.py`, `csrc/elementwise.cpp`) against
 torch's unfused ops: the same values in float32 to rounding, bfloat16 off by a rounding
-in a rare element; rows of odd widths and strided rows; torch's ops wherever the compiled ones
-do not apply."""
+in a rare element (the rotary embedding and cache write: bit for bit); rows of odd
+widths and strided rows; torch's ops wherever the compiled ones do not apply."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from kvscope.kernels import fused
+from kvscope.kernels.attention import write_slots
 from kvscope.kernels.cpu_decode import cpu_kernel
+from kvscope.models.rope import apply_rotary, rotary_tables
 
 # Widths: the reference model's (512 and 2 x 1408), and one the vector path does not
 # divide (74), so each row's tail goes through the scalar loop.
@@ -79,3 +81,87 @@ def test_the_ops_refuse_what_they_cannot_read(loaded) -> None:
         loaded.rms_norm_op(torch.empty_like(x), x, torch.ones(9), 1e-6)
     with pytest.raises(RuntimeError, match="float32 and bfloat16"):
         loaded.silu_and_mul_op(torch.empty(4, 5, dtype=torch.float64), x.double())
+
+
+def rope_inputs(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
+    """A fused qkv matrix's q+k and v views (rows strided, as the model's are), the
+    rotary tables at positions spread over a long context, distinct slots."""
+    generator = torch.Generator().manual_seed(seed)
+    width = (heads + kv_heads) * dim
+    qkv = (3 * torch.randn(tokens, width + 7, generator=generator)).to(dtype)
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)
+    v = qkv[:, heads * dim : width].view(tokens, kv_heads, dim)
+    cos, sin = rotary_tables(dim, 10_000.0, None, 4096, torch.device("cpu"))
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    slots = torch.randperm(64 * 16, generator=generator)[:tokens]
+    return qkv, qk, v, cos[positions].to(dtype), sin[positions].to(dtype), slots
+
+
+def empty_caches(kv_heads: int, dim: int, dtype: torch.dtype, *, head_major: bool):
+    def one() -> torch.Tensor:
+        if head_major:  # KVCache's CPU layout: a [blocks, slots, heads, dim] view
+            return torch.zeros(kv_heads, 64, 16, dim, dtype=dtype).permute(1, 2, 0, 3)
+        return torch.zeros(64, 16, kv_heads, dim, dtype=dtype)
+
+    return one(), one()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "block-major"])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "dim"),
+    [(1, 8, 4, 64), (33, 8, 4, 64), (300, 12, 2, 128), (5, 6, 3, 80), (3, 2, 1, 6)],
+)
+def test_rope_and_cache_is_apply_rotary_then_write_slots(
+    loaded, dtype, head_major, tokens, heads, kv_heads, dim
+) -> None:
+    """The rotated q and k heads and the cache they land in are torch's: bit for bit
+    in bfloat16 (every product is exact in float32 and rounded where torch rounds), to
+    float32 rounding in float32; nothing but the given slots is written."""
+    qkv, qk, v, cos, sin, slots = rope_inputs(tokens, heads + kv_heads, kv_heads, dim, dtype, dim)
+    untouched = qkv[:, -7:].clone()
+    expected = apply_rotary(qk.clone(), cos, sin)
+    ref_keys, ref_values = empty_caches(kv_heads, dim, dtype, head_major=head_major)
+    write_slots(ref_keys, slots, expected[:, heads:])
+    write_slots(ref_values, slots, v)
+    keys, values = empty_caches(kv_heads, dim, dtype, head_major=head_major)
+
+    assert fused.rope_and_cache(qk, v, cos, sin, slots, keys, values)
+
+    if dtype == torch.bfloat16:
+        assert torch.equal(qk, expected)
+        assert torch.equal(keys, ref_keys)
+    else:
+        torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(keys, ref_keys, rtol=1e-6, atol=1e-6)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(qkv[:, -7:], untouched)
+
+
+def test_rope_and_cache_falls_back_where_it_does_not_apply(loaded, monkeypatch) -> None:
+    """False, with nothing written, for what the op cannot read (the caller then uses
+    torch's ops); and without the library at all."""
+    dtype = torch.bfloat16
+    _, qk, v, cos, sin, slots = rope_inputs(4, 6, 2, 64, dtype, 1)
+    keys, values = empty_caches(2, 64, dtype, head_major=True)
+    before = qk.clone()
+    assert not fused.rope_and_cache(qk, v, cos.float(), sin.float(), slots, keys, values)
+    assert not fused.rope_and_cache(qk, v, cos, sin, slots.int(), keys, values)
+    assert not fused.rope_and_cache(qk.half(), v.half(), cos, sin, slots, keys, values)
+    heads_apart = torch.randn(4, 64, 6).to(dtype).transpose(1, 2)  # dim not contiguous
+    assert not fused.rope_and_cache(heads_apart, v, cos, sin, slots, keys, values)
+    monkeypatch.setattr(cpu_kernel(), "rope_and_cache_op", None)
+    assert not fused.rope_and_cache(qk, v, cos, sin, slots, keys, values)
+    assert torch.equal(qk, before)
+    assert not keys.any() and not values.any()
+
+
+def test_rope_and_cache_refuses_a_slot_outside_the_cache(loaded) -> None:
+    dtype = torch.bfloat16
+    _, qk, v, cos, sin, slots = rope_inputs(4, 6, 2, 64, dtype, 2)
+    keys, values = empty_caches(2, 64, dtype, head_major=True)
+    slots[2] = 64 * 16  # one past the last slot
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        loaded.rope_and_cache_op(qk, v, cos, sin, slots, keys, values)
+    with pytest.raises(RuntimeError, match="qk's dtype"):
+        loaded.rope_and_cache_op(qk, v.float(), cos, sin, slots.clamp_max(5), keys, values)

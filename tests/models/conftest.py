@@ -180,13 +180,16 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(params=["kernel", "fallback"])
 def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Decode attention on the compiled CPU kernel, then on the torch fallback (what
-    serves while the kernel builds, and where no compiler exists)."""
+    """Decode attention and the fused elementwise steps on the compiled CPU library,
+    then torch's everywhere (what serves while the library builds, and where no
+    compiler exists)."""
     from kvscope.kernels.attention import decode_backend
     from kvscope.kernels.cpu_decode import compiler, cpu_kernel
 
     if request.param == "fallback":
         monkeypatch.setenv("KVSCOPE_ATTENTION", "reference")
+        for op in ("rms_norm_op", "silu_and_mul_op", "rope_and_cache_op"):
+            monkeypatch.setattr(cpu_kernel(), op, None)
     elif compiler() is None:
         pytest.skip("no C++ compiler here: only the fallback runs")
     else:

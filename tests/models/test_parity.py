@@ -2,8 +2,9 @@
 architecture: prefill logits (one-shot, chunked, and batched with decode rows) within
 1e-4 relative in float32, and greedy tokens identical to `generate` when run alone,
 batched with others, beside cancelled requests, through chunked prefill and through a
-prefix-cache hit. bfloat16 loads and runs. The tests with decode rows run twice:
-decode attention on the compiled CPU kernel and on the torch fallback.
+prefix-cache hit. bfloat16 loads and runs. The tests with decode rows run twice: on
+the compiled CPU library (decode attention, the fused elementwise steps, the rotary
+embedding with its cache write) and on torch's ops alone.
 """
 
 from __future__ import annotations

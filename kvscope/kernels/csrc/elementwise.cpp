@@ -3,6 +3,10 @@
 //
 //   silu_and_mul(out, x):       out = silu(x[:, :n]) * x[:, n:]   (the MLP's gate and up)
 //   rms_norm(out, x, w, eps):   out = w * (x / sqrt(mean(x^2) + eps))
+//   rope_and_cache(qk, v, cos, sin, slots, key_cache, value_cache):
+//       rotates q and k heads in place (Hugging Face's rotary embedding, rounded as
+//       kvscope/models/rope.py's `apply_rotary` rounds), then writes the rotated k heads
+//       and the v heads into the paged cache at `slots` (what `write_slots` does)
 //
 // Each rounds where torch's unfused ops round, so a bfloat16 result differs from theirs
 // only where a float32 intermediate (exp, the sum of squares, in another order) lands
@@ -21,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 
 namespace {
@@ -86,6 +91,136 @@ void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t n,
   });
 }
 
+// One token's rotary embedding on each of its `heads` heads of `dim` (in place):
+// x * cos, then x[half:] * sin taken from the first half and x[:half] * sin added to the
+// second, each product and each sum rounded to T as torch's ops round them.
+template <typename T>
+inline void rotate_heads(T* x, int64_t heads, int64_t dim, const T* cos, const T* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* lo = x + h * dim;
+    T* hi = lo + half;
+    int64_t i = 0;
+#ifdef KVSCOPE_SIMD
+    using namespace simd;
+    for (; i + W <= half; i += W) {
+      const V a = load(lo + i), b = load(hi + i);
+      const V s = load(sin + i);
+      V a_cos = mul(a, load(cos + i)), b_cos = mul(b, load(cos + half + i));
+      V b_sin = mul(b, s), a_sin = mul(a, s);
+      if constexpr (std::is_same_v<T, bf16>) {
+        a_cos = round_bf16(a_cos), b_cos = round_bf16(b_cos);
+        b_sin = round_bf16(b_sin), a_sin = round_bf16(a_sin);
+      }
+      store(lo + i, sub(a_cos, b_sin));
+      store(hi + i, add(b_cos, a_sin));
+    }
+#endif
+    for (; i < half; ++i) {
+      const float a = widen(lo[i]), b = widen(hi[i]), s = widen(sin[i]);
+      const float a_cos = rounded<T>(a * widen(cos[i])), b_cos = rounded<T>(b * widen(cos[half + i]));
+      lo[i] = static_cast<T>(a_cos - rounded<T>(b * s));
+      hi[i] = static_cast<T>(b_cos + rounded<T>(a * s));
+    }
+  }
+}
+
+// A paged cache ([blocks, block_size, kv_heads, dim], any strides but the last) as
+// addresses: slot s is block s / block_size, offset s % block_size.
+template <typename T>
+struct CacheView {
+  T* base;
+  int64_t block_size, block_stride, slot_stride, head_stride;
+  T* at(int64_t slot, int64_t head) const {
+    return base + (slot / block_size) * block_stride + (slot % block_size) * slot_stride +
+           head * head_stride;
+  }
+};
+
+template <typename T>
+CacheView<T> cache_view(const at::Tensor& cache) {
+  return {cache.data_ptr<T>(), cache.size(1), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+template <typename T>
+void rope_and_cache_rows(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                         const at::Tensor& sin, const int64_t* slots, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache) {
+  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2);
+  const int64_t kv_heads = v.size(1), q_heads = heads - kv_heads;
+  T* qk_data = qk.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  const T* cos_data = cos.data_ptr<T>();
+  const T* sin_data = sin.data_ptr<T>();
+  const int64_t qk_row = qk.stride(0), v_row = v.stride(0), table_row = cos.stride(0);
+  const CacheView<T> keys = cache_view<T>(key_cache), values = cache_view<T>(value_cache);
+  const size_t head_bytes = dim * sizeof(T);
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    // The cache lines written are scattered over the cache (one page each, a decode
+    // row's): ask for them all first, so that their misses overlap instead of
+    // following one another.
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const char* k = reinterpret_cast<const char*>(keys.at(slots[t], h));
+        const char* u = reinterpret_cast<const char*>(values.at(slots[t], h));
+        for (size_t line = 0; line < head_bytes; line += 64) {
+          __builtin_prefetch(k + line, 1);
+          __builtin_prefetch(u + line, 1);
+        }
+      }
+    }
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qk_data + t * qk_row;
+      rotate_heads(row, heads, dim, cos_data + t * table_row, sin_data + t * table_row);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::memcpy(keys.at(slots[t], h), row + (q_heads + h) * dim, head_bytes);
+        std::memcpy(values.at(slots[t], h), v_data + t * v_row + h * dim, head_bytes);
+      }
+    }
+  });
+}
+
+void rope_and_cache(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& slots, at::Tensor key_cache,
+                    at::Tensor value_cache) {
+  TORCH_CHECK(qk.dim() == 3 && v.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "qk: [tokens, heads, dim], v: [tokens, kv_heads, dim], caches: "
+              "[blocks, block_size, kv_heads, dim]");
+  const int64_t tokens = qk.size(0), dim = qk.size(2), kv_heads = v.size(1);
+  TORCH_CHECK(dim % 2 == 0 && v.size(0) == tokens && v.size(2) == dim && qk.size(1) > kv_heads,
+              "qk holds the query heads then the kv heads of v, of one even dim");
+  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == dim && v.stride(2) == 1 && v.stride(1) == dim,
+              "each token's heads must be contiguous");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) == tokens &&
+                  cos.size(1) == dim && cos.stride(1) == 1 && sin.strides() == cos.strides(),
+              "cos, sin: [tokens, dim] with contiguous rows");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == tokens && slots.is_contiguous() &&
+                  slots.scalar_type() == at::kLong,
+              "slots: contiguous int64 [tokens]");
+  for (const at::Tensor& cache : {std::cref(key_cache), std::cref(value_cache)}) {
+    TORCH_CHECK(cache.sizes() == key_cache.sizes() && cache.size(2) == kv_heads &&
+                    cache.size(3) == dim && cache.stride(3) == 1,
+                "the caches: [blocks, block_size, kv_heads, dim] with contiguous heads");
+  }
+  const auto dtype = qk.scalar_type();
+  for (const at::Tensor& t :
+       {std::cref(v), std::cref(cos), std::cref(sin), std::cref(key_cache), std::cref(value_cache)}) {
+    TORCH_CHECK(t.scalar_type() == dtype, "every tensor but slots must have qk's dtype");
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
+  }
+  if (dtype == at::kBFloat16) {
+    rope_and_cache_rows<bf16>(qk, v, cos, sin, slot, key_cache, value_cache);
+  } else if (dtype == at::kFloat) {
+    rope_and_cache_rows<float>(qk, v, cos, sin, slot, key_cache, value_cache);
+  } else {
+    TORCH_CHECK(false, "rope_and_cache supports float32 and bfloat16, not ", dtype);
+  }
+}
+
 void check_rows(const at::Tensor& out, const at::Tensor& x, int64_t out_cols) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out: [rows, columns]");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == out_cols, "out has the wrong shape");
@@ -130,9 +265,13 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def(
+      "rope_and_cache(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, Tensor slots,"
+      " Tensor(b!) key_cache, Tensor(c!) value_cache) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rope_and_cache", &rope_and_cache);
 }
