@@ -1,7 +1,8 @@
 """The paged K/V tensors: one preallocated key and value tensor per layer.
 
 Shape `[num_blocks, block_size, num_kv_heads, head_dim]` (a view: the storage is
-head-major except on Ascend, see `__init__`), and slot `s` is block `s // block_size`,
+block-major or head-major, as `attention.block_major_cache` says for the device), and slot
+`s` is block `s // block_size`,
 offset `s % block_size`. Which block belongs to whom is the `BlockPool`'s business; this class
 only holds the memory and copies blocks for copy-on-write.
 """
@@ -9,6 +10,8 @@ only holds the memory and copies blocks for copy-on-write.
 from __future__ import annotations
 
 import torch
+
+from kvscope.kernels.attention import block_major_cache
 
 
 class KVCache:
@@ -24,11 +27,10 @@ class KVCache:
         device: torch.device,
     ) -> None:
         self.block_size = block_size
-        # Head-major storage ([kv_heads, blocks, slots, dim]) seen through a
+        # Head-major storage ([kv_heads, blocks, slots, dim]) is seen through a
         # [blocks, slots, kv_heads, dim] view: a batch's blocks then gather into one
-        # contiguous tensor per head, as the reference decode kernel wants. Ascend's
-        # fused kernels read the cache block-major, so it is stored that way there.
-        head_major = device.type != "npu"
+        # contiguous tensor per head, as the reference decode kernel wants.
+        head_major = not block_major_cache(device)
 
         def allocate() -> torch.Tensor:
             if head_major:

@@ -277,8 +277,9 @@ def _time_prefill(prefill_op: Callable[..., None]) -> tuple[float, float]:
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator).to(torch.bfloat16)
 
-    keys = rand(shape["kv_heads"], chunks * width, block, shape["dim"]).permute(1, 2, 0, 3)
-    values = rand(shape["kv_heads"], chunks * width, block, shape["dim"]).permute(1, 2, 0, 3)
+    # Block-major, as `KVCache` stores it wherever this library serves.
+    keys = rand(chunks * width, block, shape["kv_heads"], shape["dim"])
+    values = rand(chunks * width, block, shape["kv_heads"], shape["dim"])
     tables = torch.arange(chunks * width).view(chunks, width)
     query = rand(chunks * tokens, shape["heads"], shape["dim"])
     out = torch.empty_like(query)

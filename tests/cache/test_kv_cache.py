@@ -1,0 +1,67 @@
+"""The K/V cache's storage follows the kernels that will read it: block-major on the
+CPU wherever the compiled library can be built (a slot's heads on one page), head-major
+where only the torch reference will serve (no compiler, or the reference forced)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscope.cache.kv_cache import KVCache
+from kvscope.kernels.attention import block_major_cache
+from kvscope.kernels.cpu_decode import compiler
+
+CPU = torch.device("cpu")
+
+
+def cache() -> KVCache:
+    return KVCache(
+        num_layers=2, num_blocks=6, block_size=4, num_kv_heads=3, head_dim=8,
+        dtype=torch.float32, device=CPU,
+    )  # fmt: skip
+
+
+def slot_heads_adjacent(tensor: torch.Tensor) -> bool:
+    """Whether one slot's heads lie next to each other in memory (block-major)."""
+    return tensor.stride(2) == tensor.shape[3]
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler here")
+def test_block_major_where_the_library_can_serve(monkeypatch) -> None:
+    monkeypatch.delenv("KVSCOPE_ATTENTION", raising=False)
+    assert block_major_cache(CPU)
+    kv = cache()
+    assert all(slot_heads_adjacent(t) and t.is_contiguous() for t in (*kv.keys, *kv.values))
+
+
+@pytest.mark.parametrize(
+    "env", [{"CXX": "/nonexistent/g++"}, {"KVSCOPE_ATTENTION": "reference"}], ids=str
+)
+def test_head_major_where_only_the_reference_serves(monkeypatch, env) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert not block_major_cache(CPU)
+    kv = cache()
+    for tensor in (*kv.keys, *kv.values):
+        assert not slot_heads_adjacent(tensor)
+        assert tensor.permute(2, 0, 1, 3).is_contiguous()  # [kv_heads, blocks, slots, dim]
+
+
+def test_either_layout_reads_and_writes_the_same_slots(monkeypatch) -> None:
+    """A block copy (copy-on-write) moves the same values whatever the storage."""
+    seen = []
+    for env in ({"KVSCOPE_ATTENTION": "reference"}, {}):
+        monkeypatch.delenv("KVSCOPE_ATTENTION", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        kv = cache()
+        for index, tensor in enumerate((*kv.keys, *kv.values)):
+            tensor.copy_(torch.arange(tensor.numel(), dtype=torch.float32).view(tensor.shape))
+            tensor.add_(index)
+        kv.copy_blocks([(1, 4), (2, 5)])
+        seen.append([t.clone() for t in (*kv.keys, *kv.values)])
+    for head_major, other in zip(*seen, strict=True):
+        assert torch.equal(head_major, other)
+        assert torch.equal(head_major[4], head_major[1]) and torch.equal(
+            head_major[5], head_major[2]
+        )
