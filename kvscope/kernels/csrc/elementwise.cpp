@@ -156,19 +156,6 @@ void rope_and_cache_rows(const at::Tensor& qk, const at::Tensor& v, const at::Te
   const CacheView<T> keys = cache_view<T>(key_cache), values = cache_view<T>(value_cache);
   const size_t head_bytes = dim * sizeof(T);
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    // The cache lines written are scattered over the cache (one page each, a decode
-    // row's): ask for them all first, so that their misses overlap instead of
-    // following one another.
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const char* k = reinterpret_cast<const char*>(keys.at(slots[t], h));
-        const char* u = reinterpret_cast<const char*>(values.at(slots[t], h));
-        for (size_t line = 0; line < head_bytes; line += 64) {
-          __builtin_prefetch(k + line, 1);
-          __builtin_prefetch(u + line, 1);
-        }
-      }
-    }
     for (int64_t t = begin; t < end; ++t) {
       T* row = qk_data + t * qk_row;
       rotate_heads(row, heads, dim, cos_data + t * table_row, sin_data + t * table_row);
