@@ -51,12 +51,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :n]) * x[:, n:] for x [rows, 2n]."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x[:, :n]) * x[:, n:] for x [rows, 2n], into `out` ([rows, n], its rows
+    contiguous: a column range of a wider matrix will do) where given."""
     op = cpu_kernel().silu_and_mul_op
-    if op is None or not _compiled(x):
-        return torch_silu_and_mul(x)
-    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    if op is None or not _compiled(x) or (out is not None and not _compiled(out)):
+        result = torch_silu_and_mul(x)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
     op(out, x)
     return out
 

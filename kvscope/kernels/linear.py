@@ -62,10 +62,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return _prepacked(x, self.packed, self.bias)
+            return prepacked(x, self.packed, self.bias)
         rows = x.shape[0]
         if self.wide_packed is not None and rows >= PACKED_WIDE_ROWS:
-            return _prepacked(x.float(), self.wide_packed, self.wide_bias).to(x.dtype)
+            return prepacked(x.float(), self.wide_packed, self.wide_bias).to(x.dtype)
         if self.wide is not None and rows >= WIDE_ROWS:
             return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
@@ -78,8 +78,14 @@ class Linear:
         return "plain"
 
 
-def _prepacked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def prepacked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + b` with W as `reorder` prepacked it."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` prepacked for oneDNN's linear (`prepacked`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def plan(linears: Sequence[Linear]) -> str:
@@ -91,7 +97,7 @@ def plan(linears: Sequence[Linear]) -> str:
         return "F.linear"
     if _bf16_prepack_supported():
         for linear in linears:
-            linear.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight)
+            linear.packed = reorder(linear.weight)
             if not _verify(linear):
                 linear.packed = None
         return _layouts(linears)
@@ -103,7 +109,7 @@ def plan(linears: Sequence[Linear]) -> str:
         linear.wide = linear.weight.float()
         linear.wide_bias = None if linear.bias is None else linear.bias.float()
         if prepack:
-            linear.wide_packed = torch.ops.mkldnn._reorder_linear_weight(linear.wide)
+            linear.wide_packed = reorder(linear.wide)
             if _verify(linear):
                 continue
             linear.wide_packed = None
@@ -118,7 +124,7 @@ def _layouts(linears: Sequence[Linear]) -> str:
 
 def _prepack_supported(dtype: torch.dtype) -> bool:
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+        reorder(torch.zeros(8, 8, dtype=dtype))
     except (RuntimeError, AttributeError):
         return False
     return True

@@ -230,10 +230,10 @@ class LlamaModel:
                 checkpoint(batch)  # halfway through the layer: the MLP is half its time
             hidden = batch.hidden
             x = rms_norm(hidden, layer.post_norm, eps)
-            gate_up = linear(layer.gate_up, x)
-            if between is not None:
-                between()
-            batch.hidden = hidden + linear(layer.down, silu_and_mul(gate_up))
+            if slicer is not None:
+                batch.hidden = slicer.gated_mlp(layer.gate_up, layer.down, x, hidden, between)
+            else:
+                batch.hidden = hidden + layer.down(silu_and_mul(layer.gate_up(x)))
             if between is not None and index + 1 < len(self.layers):
                 between()  # (after the last layer, the checkpoint below follows at once)
         if checkpoint is not None:

@@ -14,9 +14,22 @@ met (the quickest of a few calls at 1 and `PROBE_ROWS` rows), so the number of p
 follows this machine and this thread count. Only CPU tensors are sliced: elsewhere the
 forward does not wait for its kernels, so timing a call says nothing. A piece has at
 least `MIN_COLUMNS` columns, and the pieces are views of the weights (no copy) for the
-plain and float32-copy layouts; a prepacked weight is sliced in its plain form, and a
-prepacked float32 copy as the plain float32 copy beside it (the probe times the
-prepacked one, ~10 % quicker at the hundreds of rows that get sliced).
+plain and float32-copy layouts; a prepacked float32 copy is sliced as the plain float32
+copy beside it (the probe times the prepacked one, ~10 % quicker at the hundreds of
+rows that get sliced).
+
+A prepacked bfloat16 weight is sliced into prepacked pieces (oneDNN's reorder of each
+piece, made the first time that cut is met), while they fit in `PACKED_PIECES_BUDGET`:
+its plain form multiplies at a third of the speed, so two plain pieces cost more than
+the whole (a 2,048-row step of the reference model: 258 ms with the MLP in plain pieces
+against 170 whole). Past the budget, pieces are plain views as above.
+
+The gated MLP (`gated_mlp`: `residual + down(silu(gate) * up)`) is cut so that no piece
+output is concatenated: gate_up's pieces pair each gate column range with the same up
+range, so each piece's `silu_and_mul` writes its own columns of the activation, and
+down's pieces add the residual into their own columns of the output. (Cutting down by
+its input columns instead, adding partial products, would round each partial to
+bfloat16: not the layer's result.)
 """
 
 from __future__ import annotations
@@ -28,7 +41,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels.linear import WIDE_ROWS, Linear
+from kvscope.kernels.fused import silu_and_mul
+from kvscope.kernels.linear import WIDE_ROWS, Linear, prepacked, reorder
 
 #: Rows of the second probe call (the first has one).
 PROBE_ROWS = 64
@@ -37,6 +51,11 @@ PROBE_ROWS = 64
 #: least 64 columns than whole, 12-14 % with 256; from 159 rows down, no measurable
 #: cost; docs/cancellation.md).
 MIN_COLUMNS = 256
+#: The most memory the prepacked pieces of all linear layers may take, in bytes.
+PACKED_PIECES_BUDGET = 1 << 30
+
+#: One piece of a linear layer: (weight, bias, the weight prepacked or None).
+Piece = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class LinearSlicer:
@@ -46,10 +65,9 @@ class LinearSlicer:
         self.target = target
         self.min_columns = min_columns
         self._costs: dict[tuple[int, ...], tuple[float, float]] = {}  # shape -> (a, b)
-        self._pieces: dict[
-            tuple[int, int, bool], list[tuple[torch.Tensor, torch.Tensor | None]]
-        ] = {}
+        self._pieces: dict[tuple[int, int, bool, bool], list[Piece]] = {}
         self._keep: dict[int, Linear] = {}  # keeps the ids above meaningful
+        self._packed_bytes = 0
 
     def pieces(self, linear: Linear, rows: int) -> int:
         if linear.weight.device.type != "cpu":
@@ -72,31 +90,105 @@ class LinearSlicer:
         pieces = 1 if checkpoint is None else self.pieces(linear, x.shape[0])
         if pieces == 1:
             return linear(x)
-        wide = linear.wide is not None and x.shape[0] >= WIDE_ROWS
-        x_in = x.float() if wide else x  # widened once, not once a piece
+        wide, x_in = self._input(linear, x)
         outputs = []
-        for index, (weight, bias) in enumerate(self._split(linear, pieces, wide)):
+        for index, piece in enumerate(self._split(linear, pieces, wide)):
             if index:
                 checkpoint()  # type: ignore[misc]
-            outputs.append(F.linear(x_in, weight, bias))
+            outputs.append(_multiply(piece, x_in))
         out = torch.cat(outputs, dim=-1)
         return out.to(x.dtype) if wide else out
 
+    def gated_mlp(
+        self,
+        gate_up: Linear,
+        down: Linear,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        checkpoint: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """`residual + down(silu_and_mul(gate_up(x)))` in column pieces, with
+        `checkpoint()` between two pieces and between the two layers."""
+        rows = x.shape[0]
+        first = 1 if checkpoint is None else self.pieces(gate_up, rows)
+        if first > 1 and gate_up.packed is not None:
+            activation = torch.empty(rows, gate_up.out_features // 2, dtype=x.dtype)
+            start = 0
+            for index, piece in enumerate(self._split(gate_up, first, False, paired=True)):
+                if index:
+                    checkpoint()  # type: ignore[misc]
+                width = piece[0].shape[0] // 2
+                silu_and_mul(_multiply(piece, x), activation[:, start : start + width])
+                start += width
+        else:
+            activation = silu_and_mul(self(gate_up, x, checkpoint))
+        if checkpoint is not None:
+            checkpoint()
+        second = 1 if checkpoint is None else self.pieces(down, rows)
+        if second == 1:
+            return residual + down(activation)
+        wide, h_in = self._input(down, activation)
+        out = torch.empty_like(residual)
+        start = 0
+        for index, piece in enumerate(self._split(down, second, wide)):
+            if index:
+                checkpoint()  # type: ignore[misc]
+            width = piece[0].shape[0]
+            part = _multiply(piece, h_in)
+            columns = slice(start, start + width)
+            torch.add(residual[:, columns], part.to(x.dtype) if wide else part, out=out[:, columns])
+            start += width
+        return out
+
+    @staticmethod
+    def _input(linear: Linear, x: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        """Whether the pieces are of the float32 copy, and `x` as they take it (widened
+        once, not once a piece)."""
+        wide = linear.packed is None and linear.wide is not None and x.shape[0] >= WIDE_ROWS
+        return wide, x.float() if wide else x
+
     def _split(
-        self, linear: Linear, pieces: int, wide: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) views of each piece, in the float32 copy's layout if `wide`."""
-        key = (id(linear), pieces, wide)
+        self, linear: Linear, pieces: int, wide: bool, *, paired: bool = False
+    ) -> list[Piece]:
+        """The pieces of `linear` (of its float32 copy if `wide`); `paired`: each piece
+        holds a column range of the weight's first half and the same range of its
+        second half (gate and up)."""
+        key = (id(linear), pieces, wide, paired)
         if key not in self._pieces:
             self._keep[id(linear)] = linear
             weight, bias = (linear.wide, linear.wide_bias) if wide else (linear.weight, linear.bias)
             assert weight is not None
-            bounds = [round(i * linear.out_features / pieces) for i in range(pieces + 1)]
             self._pieces[key] = [
-                (weight[lo:hi], None if bias is None else bias[lo:hi])
-                for lo, hi in zip(bounds, bounds[1:], strict=False)
+                self._piece(linear, weight[rows], None if bias is None else bias[rows], wide)
+                for rows in _row_ranges(weight.shape[0], pieces, paired)
             ]
         return self._pieces[key]
+
+    def _piece(
+        self, linear: Linear, weight: torch.Tensor, bias: torch.Tensor | None, wide: bool
+    ) -> Piece:
+        size = weight.numel() * weight.element_size()
+        if wide or linear.packed is None or self._packed_bytes + size > PACKED_PIECES_BUDGET:
+            return weight, bias, None
+        self._packed_bytes += size
+        return weight, bias, reorder(weight.contiguous())
+
+
+def _row_ranges(rows: int, pieces: int, paired: bool) -> list[slice | torch.Tensor]:
+    """Each piece's rows of a weight with `rows` rows (output columns)."""
+    half = rows // 2 if paired else rows
+    bounds = [round(i * half / pieces) for i in range(pieces + 1)]
+    if not paired:
+        return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    return [
+        torch.cat([torch.arange(lo, hi), torch.arange(half + lo, half + hi)])
+        for lo, hi in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+def _multiply(piece: Piece, x: torch.Tensor) -> torch.Tensor:
+    weight, bias, packed = piece
+    return prepacked(x, packed, bias) if packed is not None else F.linear(x, weight, bias)
 
 
 def _probe(linear: Linear) -> tuple[float, float]:

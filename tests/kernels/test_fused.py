@@ -64,6 +64,20 @@ def test_strided_rows_and_a_tensor_of_heads(loaded) -> None:
     )
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_silu_and_mul_writes_into_columns_of_a_wider_matrix(loaded, monkeypatch, compiled):
+    """`out` may be a column range of a wider matrix (the sliced MLP writes each piece's
+    activation so); the columns beside it are left alone."""
+    if not compiled:
+        monkeypatch.setattr(cpu_kernel(), "silu_and_mul_op", None)
+    x = torch.randn(33, 2 * 300).to(torch.bfloat16)
+    wide = torch.full((33, 1000), 7.0, dtype=torch.bfloat16)
+    out = wide[:, 200:500]
+    assert fused.silu_and_mul(x, out) is out
+    close(out.clone(), fused.torch_silu_and_mul(x))
+    assert (wide[:, :200] == 7).all() and (wide[:, 500:] == 7).all()
+
+
 def test_without_the_library_the_steps_are_torchs(loaded, monkeypatch) -> None:
     monkeypatch.setattr(cpu_kernel(), "rms_norm_op", None)
     monkeypatch.setattr(cpu_kernel(), "silu_and_mul_op", None)

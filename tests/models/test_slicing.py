@@ -1,5 +1,7 @@
 """`LinearSlicer`: a long linear layer in column pieces, with a checkpoint between two
-of them, gives the layer's own result, in each layout the layer may have."""
+of them, gives the layer's own result, in each layout the layer may have; so does the
+gated MLP cut into pieces, with prepacked pieces or (past their memory budget) plain
+ones."""
 
 from __future__ import annotations
 
@@ -7,15 +9,23 @@ import pytest
 import torch
 
 from kvscope.kernels import linear as linear_layouts
+from kvscope.kernels.fused import silu_and_mul
 from kvscope.kernels.linear import Linear
+from kvscope.models import slicing
 from kvscope.models.slicing import LinearSlicer
 
 
-def planned_linear(dtype: torch.dtype) -> Linear:
-    generator = torch.Generator().manual_seed(0)
-    layer = Linear(torch.randn(1024, 256, generator=generator).to(dtype))
+def planned_linear(dtype: torch.dtype, shape: tuple[int, int] = (1024, 256)) -> Linear:
+    generator = torch.Generator().manual_seed(sum(shape))
+    layer = Linear((torch.randn(*shape, generator=generator) / shape[1] ** 0.5).to(dtype))
     linear_layouts.plan([layer])
     return layer
+
+
+def assert_close(out: torch.Tensor, whole: torch.Tensor) -> None:
+    assert out.shape == whole.shape and out.dtype == whole.dtype
+    tolerance = 1e-5 if out.dtype == torch.float32 else 1e-2
+    assert ((out.float() - whole.float()).abs().max() / whole.float().abs().max()) <= tolerance
 
 
 @pytest.mark.parametrize("rows", [8, 517])
@@ -31,6 +41,31 @@ def test_pieces_give_the_layers_result_with_a_checkpoint_between_each(rows, dtyp
         out = slicer(layer, x, lambda: calls.append(None))
         whole = layer(x)
     assert len(calls) == pieces - 1
-    assert out.shape == whole.shape and out.dtype == whole.dtype
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    assert ((out.float() - whole.float()).abs().max() / whole.float().abs().max()) <= tolerance
+    assert_close(out, whole)
+
+
+@pytest.mark.parametrize("budget", ["prepacked pieces", "plain pieces"])
+@pytest.mark.parametrize("rows", [8, 517])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_gated_mlp_in_pieces_gives_the_layers_result(rows, dtype, budget, monkeypatch) -> None:
+    """gate_up's pieces pair each gate column range with the same up range, down's add
+    the residual into their own columns: the result is the MLP's, with a checkpoint
+    between every two pieces and one between the two layers."""
+    if budget == "plain pieces":
+        monkeypatch.setattr(slicing, "PACKED_PIECES_BUDGET", 0)
+    gate_up = planned_linear(dtype, (2 * 768, 256))
+    down = planned_linear(dtype, (512, 768))
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=generator).to(dtype)
+    residual = torch.randn(rows, 512, generator=generator).to(dtype)
+    slicer = LinearSlicer(target=1e-12)
+    expected_calls = (slicer.pieces(gate_up, rows) - 1) + 1 + (slicer.pieces(down, rows) - 1)
+    assert slicer.pieces(gate_up, rows) == 6 and slicer.pieces(down, rows) == 2
+    calls = []
+    with torch.inference_mode():
+        out = slicer.gated_mlp(gate_up, down, x, residual, lambda: calls.append(None))
+        whole = residual + down(silu_and_mul(gate_up(x)))
+        unsliced = slicer.gated_mlp(gate_up, down, x, residual, None)
+    assert len(calls) == expected_calls
+    assert_close(out, whole)
+    assert torch.equal(unsliced, whole)  # no checkpoint hook: no pieces
