@@ -7,8 +7,13 @@ per layer) and says where each goes:
 
 * decode rows `[0, num_decode)` attend, as one batched `scaled_dot_product_attention`
   call, over their gathered blocks with a padding mask;
-* each prefill chunk attends over its blocks with a causal mask shifted by the tokens
-  already in the cache (plain `is_causal` when there are none).
+* a prefill chunk that starts its sequence (nothing of it in the cache before) attends
+  its own rows of the step's keys and values, causally, without reading the cache;
+  consecutive such chunks of one length in one SDPA call (`FreshRun`: 8 x 256 tokens of
+  the reference model's heads, 2.7 against 3.8 ms gathered one chunk at a time, the
+  same values);
+* any other prefill chunk attends over its gathered blocks with a causal mask shifted
+  by the tokens already in the cache.
 
 There are no per-token Python loops; grouped-query attention uses SDPA's `enable_gqa`.
 
@@ -23,10 +28,10 @@ On the CPU, a prefill chunk whose context (the tokens before it and its own) is 
 most `IN_PLACE_PREFILL_CONTEXT` may go through the compiled kernel's `paged_prefill`
 instead (`PrefillRun`, built once per step: consecutive such chunks in one call), which
 reads the blocks in place, a tile of a chunk's rows at a time. It does where the kernel
-is ready and, timed against gather + SDPA when it loaded, was the quicker here
+is ready and, timed against SDPA when it loaded, was the quicker here
 (`cpu_decode.CpuKernel.prefill_in_place`): SDPA's flash kernel multiplies on AMX tiles
 where the CPU has them, and there it wins. Longer chunks, other devices, and the CPU
-before the kernel is ready take gather + SDPA (`sdpa_prefill`).
+before the kernel is ready take SDPA (`sdpa_own_rows`, `sdpa_prefill`).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 #: Longest context (in tokens, the chunk's own included) of a prefill chunk that the
-#: compiled CPU kernel may attend in place; longer chunks take gather + SDPA. (Measured
+#: compiled CPU kernel may attend in place; longer chunks take SDPA. (Measured
 #: for the decode kernel row by row on a CPU without AMX, where it beat SDPA to 1,024.)
 IN_PLACE_PREFILL_CONTEXT = 768
 
@@ -74,6 +79,21 @@ class PrefillRun:
 
 
 @attrs.frozen
+class FreshRun:
+    """`count` consecutive prefill chunks of `length` tokens each, from row `start`, each
+    the start of its sequence: their keys and values are their own rows of the step."""
+
+    start: int
+    count: int
+    length: int
+    in_place: bool  # (their PrefillSpan's)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.count * self.length)
+
+
+@attrs.frozen
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each token
     num_decode: int
@@ -82,6 +102,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends
     prefills: tuple[PrefillSpan, ...]
     prefill_runs: tuple[PrefillRun, ...] = ()  # the `in_place` chunks, in runs
+    fresh_runs: tuple[FreshRun, ...] = ()  # the chunks with no `mask`, in runs
 
 
 def build_metadata(
@@ -146,7 +167,23 @@ def build_metadata(
         lens,
         tuple(prefills),
         _prefill_runs(prefills, starts[num_decode:], device),
+        _fresh_runs(prefills),
     )
+
+
+def _fresh_runs(prefills: list[PrefillSpan]) -> tuple[FreshRun, ...]:
+    """The chunks that start their sequences, consecutive ones of one length together."""
+    runs: list[FreshRun] = []
+    for span in prefills:
+        if span.mask is not None:
+            continue
+        length = span.end - span.start
+        last = runs[-1] if runs else None
+        if last is not None and last.length == length and last.rows.stop == span.start:
+            runs[-1] = attrs.evolve(last, count=last.count + 1)
+        else:
+            runs.append(FreshRun(span.start, 1, length, span.in_place))
+    return tuple(runs)
 
 
 def _prefill_runs(
@@ -247,8 +284,12 @@ def paged_attention(
                 run.offsets,
                 scale,
             )
+    for fresh in meta.fresh_runs:
+        if not (in_place and fresh.in_place):
+            rows = fresh.rows
+            out[rows] = sdpa_own_rows(query[rows], key[rows], value[rows], fresh.count, scale)
     for span in meta.prefills:
-        if in_place and span.in_place:
+        if span.mask is None or (in_place and span.in_place):
             continue
         out[span.start : span.end] = sdpa_prefill(
             query[span.start : span.end],
@@ -260,6 +301,27 @@ def paged_attention(
             scale,
         )
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def sdpa_own_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, count: int, scale: float
+) -> torch.Tensor:
+    """`count` chunks of one length laid out one after another (query [rows, heads,
+    dim], key and value [rows, kv_heads, dim]), each attending causally over its own
+    rows; returns [rows, heads, dim]."""
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # [count, heads, length, dim], a view
+        return x.view(count, x.shape[0] // count, *x.shape[1:]).transpose(1, 2)
+
+    attended = F.scaled_dot_product_attention(
+        batched(query),
+        batched(key),
+        batched(value),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended.transpose(1, 2).reshape(query.shape)
 
 
 def sdpa_prefill(

@@ -18,12 +18,13 @@ BF16, AVX-512, AVX2 or none); `CpuKernel.isa` and the log line name it.
 kernel when it is ready and supports the dtype, the fallback otherwise.
 
 The same library has `paged_prefill`: a prefill chunk's rows attend over the blocks in
-place, a tile of rows at a time. Whether it or gather + SDPA is quicker depends on the
-CPU (SDPA's flash kernel multiplies on AMX tiles where there are some), so when the
-kernel loads it is timed against gather + SDPA on one shape (`PREFILL_PROBE`), and
-prefill chunks go through the kernel only where it won (`CpuKernel.prefill_in_place`).
-On the 2-core AMX machine, 8 prompts of 256 tokens, one layer of the reference model:
-2.4 ms for gather + SDPA, 3.9 for the kernel (7.0 for the decode kernel row by row).
+place, a tile of rows at a time. Whether it or SDPA is quicker depends on the CPU
+(SDPA's flash kernel multiplies on AMX tiles where there are some), so when the kernel
+loads it is timed against SDPA (over the chunks' own rows, as fresh prompts attend:
+`attention.sdpa_own_rows`) on one shape (`PREFILL_PROBE`), and prefill chunks go
+through the kernel only where it won (`CpuKernel.prefill_in_place`). On the 2-core AMX
+machine, 8 prompts of 256 tokens, one layer of the reference model: 2.7 ms for SDPA over
+the own rows, 3.8 for gather + SDPA a chunk at a time, 5.0 for the kernel.
 `KVSCOPE_PREFILL=kernel` or `=sdpa` skips the timing and says which serves.
 """
 
@@ -58,7 +59,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++20", "-shared"
 DTYPES = (torch.float32, torch.bfloat16)
 #: The relative error the start-up check allows against the torch reference.
 CHECK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-#: The prefill timed against gather + SDPA when the kernel loads: chunks of this many
+#: The prefill timed against SDPA when the kernel loads: chunks of this many
 #: tokens, from position 0, in the reference model's head layout (8 query heads over 4
 #: KV heads of 64), bfloat16, blocks of 16.
 PREFILL_PROBE = {"chunks": 4, "tokens": 256, "heads": 8, "kv_heads": 4, "dim": 64, "block": 16}
@@ -139,7 +140,7 @@ class CpuKernel:
         self.silu_and_mul_op: Callable[..., None] | None = None
         self.rms_norm_op: Callable[..., None] | None = None
         self.rope_and_cache_op: Callable[..., None] | None = None
-        #: Whether prefill chunks go through `prefill_op` rather than gather + SDPA.
+        #: Whether prefill chunks go through `prefill_op` rather than SDPA.
         self.prefill_in_place = False
         self.why_not: str | None = None  # why the fallback serves, once known
         #: The instruction set the loaded build's vector path uses: "avx512-bf16",
@@ -244,7 +245,7 @@ class CpuKernel:
 
 def _prefill_in_place(prefill_op: Callable[..., None]) -> bool:
     """Whether prefill chunks should go through `prefill_op`: as `KVSCOPE_PREFILL`
-    says, or (auto) where it beats gather + SDPA on `PREFILL_PROBE`; logged."""
+    says, or (auto) where it beats SDPA on `PREFILL_PROBE`; logged."""
     choice = os.environ.get("KVSCOPE_PREFILL", "auto")
     if choice not in PREFILL_CHOICES:
         log.warning("KVSCOPE_PREFILL=%s is not one of %s; taking auto", choice, PREFILL_CHOICES)
@@ -255,8 +256,8 @@ def _prefill_in_place(prefill_op: Callable[..., None]) -> bool:
     kernel_ms, sdpa_ms = (seconds * 1e3 for seconds in _time_prefill(prefill_op))
     wins = kernel_ms < sdpa_ms
     log.info(
-        "prefill attention: %s (in-place kernel %.2f ms, gather + SDPA %.2f ms on %d x %d tokens)",
-        "in-place kernel" if wins else "gather + SDPA",
+        "prefill attention: %s (in-place kernel %.2f ms, SDPA %.2f ms on %d x %d tokens)",
+        "in-place kernel" if wins else "SDPA",
         kernel_ms,
         sdpa_ms,
         PREFILL_PROBE["chunks"],
@@ -266,8 +267,8 @@ def _prefill_in_place(prefill_op: Callable[..., None]) -> bool:
 
 
 def _time_prefill(prefill_op: Callable[..., None]) -> tuple[float, float]:
-    """The quickest of a few runs of `prefill_op` and of gather + SDPA on the probe."""
-    from .attention import sdpa_prefill
+    """The quickest of a few runs of `prefill_op` and of SDPA on the probe."""
+    from .attention import sdpa_own_rows
 
     shape = PREFILL_PROBE
     chunks, tokens, block = shape["chunks"], shape["tokens"], shape["block"]
@@ -282,6 +283,8 @@ def _time_prefill(prefill_op: Callable[..., None]) -> tuple[float, float]:
     values = rand(chunks * width, block, shape["kv_heads"], shape["dim"])
     tables = torch.arange(chunks * width).view(chunks, width)
     query = rand(chunks * tokens, shape["heads"], shape["dim"])
+    own_keys = rand(chunks * tokens, shape["kv_heads"], shape["dim"])
+    own_values = rand(chunks * tokens, shape["kv_heads"], shape["dim"])
     out = torch.empty_like(query)
     starts = torch.zeros(chunks, dtype=torch.int32)
     offsets = torch.arange(0, (chunks + 1) * tokens, tokens, dtype=torch.int32)
@@ -290,9 +293,7 @@ def _time_prefill(prefill_op: Callable[..., None]) -> tuple[float, float]:
         prefill_op(out, query, keys, values, tables, starts, offsets, 0.125)
 
     def sdpa() -> None:
-        for chunk in range(chunks):
-            rows = slice(chunk * tokens, (chunk + 1) * tokens)
-            out[rows] = sdpa_prefill(query[rows], keys, values, tables[chunk], tokens, None, 0.125)
+        out[:] = sdpa_own_rows(query, own_keys, own_values, chunks, 0.125)
 
     def quickest(run: Callable[[], None]) -> float:
         run()  # warm-up
@@ -454,7 +455,7 @@ class CpuDecode:
 
     def prefills_in_place(self, dtype: torch.dtype) -> bool:
         """Whether prefill chunks of `dtype` go through `prefill` (the compiled kernel,
-        where it loaded and beat gather + SDPA here) rather than gather + SDPA."""
+        where it loaded and beat SDPA here) rather than SDPA."""
         return (
             self.kernel.prefill_in_place and self.kernel.prefill_op is not None and dtype in DTYPES
         )

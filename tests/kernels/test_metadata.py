@@ -71,6 +71,20 @@ def test_a_chunk_past_the_in_place_limit_stays_on_sdpa(monkeypatch) -> None:
     assert [run.starts.tolist() for run in meta.prefill_runs] == [[0], [2]]
 
 
+def test_chunks_that_start_their_sequences_are_run_together_by_length() -> None:
+    """Consecutive fresh chunks (nothing of them in the cache) of one length make one
+    run; a later chunk, or another length, ends it."""
+    meta = build_metadata(
+        starts=[4, 0, 0, 0, 2, 0, 0],
+        lengths=[1, 5, 5, 3, 5, 5, 5],
+        block_tables=[[1, 2], [3, 4], [5, 6], [7], [8, 9], [10, 11], [12, 13]],
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    runs = [(run.start, run.count, run.length, run.rows) for run in meta.fresh_runs]
+    assert runs == [(1, 2, 5, slice(1, 11)), (11, 1, 3, slice(11, 14)), (19, 2, 5, slice(19, 29))]
+
+
 def test_an_empty_step_has_no_slots() -> None:
     meta = build_metadata(
         starts=[], lengths=[], block_tables=[], block_size=BLOCK, device=torch.device("cpu")
