@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +55,15 @@ MIN_COLUMNS = 256
 #: The most memory the prepacked pieces of all linear layers may take, in bytes.
 PACKED_PIECES_BUDGET = 1 << 30
 
-#: One piece of a linear layer: (weight, bias, the weight prepacked or None).
-Piece = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+class Piece(NamedTuple):
+    """One piece of a linear layer: its output columns, and its weight as it multiplies
+    (a view of the plain weight, or a prepacked copy)."""
+
+    columns: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: bool
 
 
 class LinearSlicer:
@@ -65,7 +73,7 @@ class LinearSlicer:
         self.target = target
         self.min_columns = min_columns
         self._costs: dict[tuple[int, ...], tuple[float, float]] = {}  # shape -> (a, b)
-        self._pieces: dict[tuple[int, int, bool, bool], list[Piece]] = {}
+        self._pieces: dict[tuple[int, int, bool], list[Piece]] = {}
         self._keep: dict[int, Linear] = {}  # keeps the ids above meaningful
         self._packed_bytes = 0
 
@@ -111,13 +119,14 @@ class LinearSlicer:
         `checkpoint()` between two pieces and between the two layers."""
         rows = x.shape[0]
         first = 1 if checkpoint is None else self.pieces(gate_up, rows)
-        if first > 1 and gate_up.packed is not None:
+        paired = self._paired(gate_up, first) if first > 1 else None
+        if paired is not None:
             activation = torch.empty(rows, gate_up.out_features // 2, dtype=x.dtype)
             start = 0
-            for index, piece in enumerate(self._split(gate_up, first, False, paired=True)):
+            for index, piece in enumerate(paired):
                 if index:
                     checkpoint()  # type: ignore[misc]
-                width = piece[0].shape[0] // 2
+                width = piece.columns // 2
                 silu_and_mul(_multiply(piece, x), activation[:, start : start + width])
                 start += width
         else:
@@ -133,11 +142,10 @@ class LinearSlicer:
         for index, piece in enumerate(self._split(down, second, wide)):
             if index:
                 checkpoint()  # type: ignore[misc]
-            width = piece[0].shape[0]
             part = _multiply(piece, h_in)
-            columns = slice(start, start + width)
+            columns = slice(start, start + piece.columns)
             torch.add(residual[:, columns], part.to(x.dtype) if wide else part, out=out[:, columns])
-            start += width
+            start += piece.columns
         return out
 
     @staticmethod
@@ -147,48 +155,64 @@ class LinearSlicer:
         wide = linear.packed is None and linear.wide is not None and x.shape[0] >= WIDE_ROWS
         return wide, x.float() if wide else x
 
-    def _split(
-        self, linear: Linear, pieces: int, wide: bool, *, paired: bool = False
-    ) -> list[Piece]:
-        """The pieces of `linear` (of its float32 copy if `wide`); `paired`: each piece
-        holds a column range of the weight's first half and the same range of its
-        second half (gate and up)."""
-        key = (id(linear), pieces, wide, paired)
+    def _split(self, linear: Linear, pieces: int, wide: bool) -> list[Piece]:
+        """The pieces of `linear` (of its float32 copy if `wide`): prepacked where the
+        layer is and the budget allows, views of the plain weight otherwise."""
+        key = (id(linear), pieces, wide)
         if key not in self._pieces:
             self._keep[id(linear)] = linear
             weight, bias = (linear.wide, linear.wide_bias) if wide else (linear.weight, linear.bias)
             assert weight is not None
+            pack = not wide and linear.packed is not None and self._reserve(weight)
             self._pieces[key] = [
-                self._piece(linear, weight[rows], None if bias is None else bias[rows], wide)
-                for rows in _row_ranges(weight.shape[0], pieces, paired)
+                _piece(weight[lo:hi], None if bias is None else bias[lo:hi], pack)
+                for lo, hi in _bounds(weight.shape[0], pieces)
             ]
         return self._pieces[key]
 
-    def _piece(
-        self, linear: Linear, weight: torch.Tensor, bias: torch.Tensor | None, wide: bool
-    ) -> Piece:
+    def _paired(self, gate_up: Linear, pieces: int) -> list[Piece] | None:
+        """`gate_up`'s pieces, each a column range of the gate and the same range of up,
+        prepacked; None where the layer is not prepacked or the budget is spent (the
+        ranges are copies, which only pay as prepacked ones)."""
+        key = (id(gate_up), pieces, True)
+        if key not in self._pieces:
+            weight, bias = gate_up.weight, gate_up.bias
+            if gate_up.packed is None or not self._reserve(weight):
+                return None
+            self._keep[id(gate_up)] = gate_up
+            half = weight.shape[0] // 2
+            pairs = []
+            for lo, hi in _bounds(half, pieces):
+                rows = torch.cat([torch.arange(lo, hi), torch.arange(half + lo, half + hi)])
+                pairs.append(_piece(weight[rows], None if bias is None else bias[rows], True))
+            self._pieces[key] = pairs
+        return self._pieces[key]
+
+    def _reserve(self, weight: torch.Tensor) -> bool:
+        """Whether a prepacked copy of `weight` fits in the budget (and, if so, count it)."""
         size = weight.numel() * weight.element_size()
-        if wide or linear.packed is None or self._packed_bytes + size > PACKED_PIECES_BUDGET:
-            return weight, bias, None
+        if self._packed_bytes + size > PACKED_PIECES_BUDGET:
+            return False
         self._packed_bytes += size
-        return weight, bias, reorder(weight.contiguous())
+        return True
 
 
-def _row_ranges(rows: int, pieces: int, paired: bool) -> list[slice | torch.Tensor]:
-    """Each piece's rows of a weight with `rows` rows (output columns)."""
-    half = rows // 2 if paired else rows
-    bounds = [round(i * half / pieces) for i in range(pieces + 1)]
-    if not paired:
-        return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
-    return [
-        torch.cat([torch.arange(lo, hi), torch.arange(half + lo, half + hi)])
-        for lo, hi in zip(bounds, bounds[1:], strict=False)
-    ]
+def _bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
+    """`pieces` nearly equal ranges of `rows`."""
+    cuts = [round(i * rows / pieces) for i in range(pieces + 1)]
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def _piece(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Piece:
+    if pack:
+        return Piece(weight.shape[0], reorder(weight.contiguous()), bias, True)
+    return Piece(weight.shape[0], weight, bias, False)
 
 
 def _multiply(piece: Piece, x: torch.Tensor) -> torch.Tensor:
-    weight, bias, packed = piece
-    return prepacked(x, packed, bias) if packed is not None else F.linear(x, weight, bias)
+    if piece.packed:
+        return prepacked(x, piece.weight, piece.bias)
+    return F.linear(x, piece.weight, piece.bias)
 
 
 def _probe(linear: Linear) -> tuple[float, float]:
