@@ -26,10 +26,11 @@ against 170 whole). Past the budget, pieces are plain views as above.
 
 The gated MLP (`gated_mlp`: `residual + down(silu(gate) * up)`) is cut so that no piece
 output is concatenated: gate_up's pieces pair each gate column range with the same up
-range, so each piece's `silu_and_mul` writes its own columns of the activation, and
-down's pieces add the residual into their own columns of the output. (Cutting down by
-its input columns instead, adding partial products, would round each partial to
-bfloat16: not the layer's result.)
+range, so each piece's `silu_and_mul` writes its own columns of the activation (these
+pieces are copies, so only prepacked ones are made; past the budget gate_up is cut as
+any layer is), and down's pieces add the residual into their own columns of the
+output. (Cutting down by its input columns instead, adding partial products, would
+round each partial to bfloat16: not the layer's result.)
 """
 
 from __future__ import annotations
