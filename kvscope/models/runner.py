@@ -122,6 +122,8 @@ class ModelRunner:
         """Free the model's weights: this runner cannot run a step again (a model
         worker process runs them with its own copy)."""
         self.model.release_weights()
+        if self.slicer is not None:
+            self.slicer.forget()
 
     def new_control(self) -> StepControl:
         """The control channel the step actor uses for this runner's steps."""

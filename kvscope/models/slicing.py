@@ -153,8 +153,15 @@ class LinearSlicer:
     def _input(linear: Linear, x: torch.Tensor) -> tuple[bool, torch.Tensor]:
         """Whether the pieces are of the float32 copy, and `x` as they take it (widened
         once, not once a piece)."""
-        wide = linear.packed is None and linear.wide is not None and x.shape[0] >= WIDE_ROWS
+        wide = linear.wide is not None and x.shape[0] >= WIDE_ROWS
         return wide, x.float() if wide else x
+
+    def forget(self) -> None:
+        """Drop every piece and the layers they came from (their model released its
+        weights: the pieces would keep them, and their prepacked copies, alive)."""
+        self._pieces.clear()
+        self._keep.clear()
+        self._packed_bytes = 0
 
     def _split(self, linear: Linear, pieces: int, wide: bool) -> list[Piece]:
         """The pieces of `linear` (of its float32 copy if `wide`): prepacked where the

@@ -5,6 +5,9 @@ ones."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -69,3 +72,19 @@ def test_the_gated_mlp_in_pieces_gives_the_layers_result(rows, dtype, budget, mo
     assert len(calls) == expected_calls
     assert_close(out, whole)
     assert torch.equal(unsliced, whole)  # no checkpoint hook: no pieces
+
+
+def test_forget_lets_the_cut_layers_go() -> None:
+    """Once its model released its weights, the slicer holds neither the layers it cut
+    nor their pieces (`ModelRunner.release_model` calls `forget`)."""
+    slicer = LinearSlicer(target=1e-12)
+    layer = planned_linear(torch.bfloat16)
+    with torch.inference_mode():
+        slicer(layer, torch.randn(8, 256).to(torch.bfloat16), lambda: None)
+    gone = weakref.ref(layer.weight)
+    del layer
+    gc.collect()
+    assert gone() is not None  # the pieces still hold it
+    slicer.forget()
+    gc.collect()
+    assert gone() is None
