@@ -15,7 +15,7 @@ from kvscope.kernels import linear as linear_layouts
 from kvscope.kernels.fused import silu_and_mul
 from kvscope.kernels.linear import Linear
 from kvscope.models import slicing
-from kvscope.models.slicing import LinearSlicer
+from kvscope.models.slicing import ALIGN, LinearSlicer, column_ranges
 
 
 def planned_linear(dtype: torch.dtype, shape: tuple[int, int] = (1024, 256)) -> Linear:
@@ -88,3 +88,25 @@ def test_forget_lets_the_cut_layers_go() -> None:
     slicer.forget()
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("size", [1408, 2816, 512, 1000])
+@pytest.mark.parametrize("pieces", [1, 2, 3, 4, 7])
+def test_pieces_are_cut_on_aligned_columns_where_each_can_have_some(size, pieces) -> None:
+    """Every cut falls on a multiple of ALIGN (oneDNN's speed depends on it), the
+    ranges cover the columns in order, and their widths differ by at most one unit."""
+    ranges = column_ranges(size, pieces)
+    assert len(ranges) == pieces
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    cuts = [start for start, _ in ranges[1:]]
+    assert all(cut % ALIGN == 0 for cut in cuts)
+    widths = [end - start for start, end in ranges]
+    assert min(widths) > 0
+    assert max(widths[:-1], default=0) - min(widths[:-1], default=0) <= ALIGN
+
+
+def test_too_few_columns_for_aligned_pieces_are_cut_evenly() -> None:
+    ranges = column_ranges(3 * ALIGN - 1, 4)
+    widths = [end - start for start, end in ranges]
+    assert sum(widths) == 3 * ALIGN - 1 and max(widths) - min(widths) <= 1
