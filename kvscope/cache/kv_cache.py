@@ -9,9 +9,16 @@ only holds the memory and copies blocks for copy-on-write.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
 
 from kvscope.kernels.attention import block_major_cache
+
+#: Linux's `madvise` advice for transparent huge pages, and their size on x86-64.
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
 
 
 class KVCache:
@@ -34,13 +41,13 @@ class KVCache:
 
         def allocate() -> torch.Tensor:
             if head_major:
-                storage = torch.zeros(
-                    (num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device
-                )
-                return storage.permute(1, 2, 0, 3)
-            return torch.zeros(
-                (num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-            )
+                shape = (num_kv_heads, num_blocks, block_size, head_dim)
+            else:
+                shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            storage = torch.empty(shape, dtype=dtype, device=device)
+            advise_huge_pages(storage)  # before the first touch, which the zeros are
+            storage.zero_()
+            return storage.permute(1, 2, 0, 3) if head_major else storage
 
         self.keys = [allocate() for _ in range(num_layers)]
         self.values = [allocate() for _ in range(num_layers)]
@@ -66,3 +73,25 @@ class KVCache:
         dst = torch.tensor([d for _, d in copies], device=device)
         for cache in (*self.keys, *self.values):
             cache[dst] = cache[src]
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages under a CPU tensor not yet touched. A decode
+    step reads its sequences' blocks wherever the pool put them, a TLB miss a block on
+    4 KiB pages: the decode kernel alone, 32 rows over blocks in random order, took 0.80
+    ms a layer on huge pages against 0.90-1.10 (docs/benchmarks/README.md, session 18).
+    Only memory of this process's own gets them (the thread worker's cache, an engine
+    in-process); shared memory (the process worker's) takes the kernel's shmem setting,
+    off by default. Nothing happens where the call or the advice is not there."""
+    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.untyped_storage().nbytes()
+    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if last <= first:
+        return
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return
+    madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE)

@@ -108,7 +108,10 @@ def sample(
             allowed = guide.allowed(logits.shape[-1])
             if allowed is not None:
                 logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
-    tokens = logits.argmax(dim=-1).tolist()
+    # `max`'s indices are `argmax`'s (the first of equal maxima, NaN first, both
+    # documented) at a third of the time on the CPU: 70 against 204 µs for 32 rows of
+    # the reference model's 8,000 logits, 2 threads.
+    tokens = logits.max(dim=-1).indices.tolist()
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             tokens[row] = _draw(logits[row], p, generator)

@@ -14,10 +14,11 @@ What is shared, and how:
 * the step's control block is one shared byte for "abort" and one per chunk for
   "cancelled": the loop writes them (`SharedStepControl`) and the worker's checkpoints
   read them (one copy at a time, `WorkerControl`), with no message in between;
-* per step the parent sends the frozen `StepInput` (the chunks' `torch.Generator`s as
-  their states' bytes, `_state_as_bytes`) and receives `("done", tokens, generator
-  states)`, `("aborted",)` or `("error", text)` (a cancelled chunk's blocks were freed
-  by the loop when it set the flag; the worker's checkpoint only drops its rows);
+* per step the parent sends the frozen `StepInput` and receives the tokens drawn, in
+  the compact form of `step_wire.py` (each request's parameters sent once, generators
+  as their states' bytes); a step the worker stops answers `("aborted",)` (a cancelled
+  chunk's blocks were freed by the loop when it set the flag; the worker's checkpoint
+  only drops its rows);
 * a guided row's grammar state stays in the parent: the step thread (such a step is
   not sent from the loop) computes the row's token mask before sending the step
   (`MaskOnly` carries it), and tells the grammar the token drawn when the step is done.
@@ -36,6 +37,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -53,6 +56,7 @@ from .llama import StepAborted
 from .loader import load_model
 from .loop_pipe import LoopPipe
 from .runner import ChunkInput, ModelRunner, StepControl, StepInput
+from .step_wire import StepDecoder, StepEncoder, decode_answer, encode_answer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,16 @@ MAIN_GUARD_HINT = (
 #: How much of the device's free memory a second copy of the model may take while the
 #: worker loads it beside the engine's; past that, the engine's copy goes first.
 SECOND_COPY_SHARE = 0.8
+
+
+#: glibc's malloc tunables the worker starts with: its large allocations (the weights,
+#: their prepacked copies, the activations) asked for transparent huge pages, so a
+#: forward's reads miss the TLB less. In-process on the 2-core machine, 2 threads, three
+#: alternating runs of 200 steps each: a decode step of 32 rows 15.3-15.4 ms (mean)
+#: against 15.9-18.8, of one row 7.2-7.7 against 7.6-8.9 (docs/benchmarks/README.md,
+#: session 18). A glibc before 2.35 ignores the tunable; a kernel with transparent huge
+#: pages off ignores the advice.
+MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 
 class WorkerDied(RuntimeError):
@@ -160,42 +174,6 @@ def _masks_for_worker(step: StepInput, vocab_size: int) -> tuple[StepInput, list
     return (attrs.evolve(step, chunks=chunks) if guided else step), guided
 
 
-def _bytes(generator: torch.Generator) -> bytes:
-    return generator.get_state().numpy().tobytes()
-
-
-def _tensor(state: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
-
-
-def _state_as_bytes(step: StepInput) -> tuple[StepInput, list[bytes | None]]:
-    """The step without its generators, and their states as bytes. A tensor (a
-    generator's state is one) crosses the pipe by torch's storage sharing: a file
-    descriptor handed over by multiprocessing's resource-sharer thread, with an HMAC
-    handshake, per tensor per step (measured: most of the parent's GIL time in a step
-    at 32 sampled rows); bytes are copied in the pickle."""
-    states = [_bytes(c.generator) if c.generator is not None else None for c in step.chunks]
-    if not any(state is not None for state in states):
-        return step, states
-    chunks = [
-        attrs.evolve(c, generator=None) if c.generator is not None else c for c in step.chunks
-    ]
-    return attrs.evolve(step, chunks=chunks), states
-
-
-def _generators_from_bytes(step: StepInput, states: list[bytes | None]) -> StepInput:
-    """(worker) The step with its generators rebuilt from their states."""
-    if not any(state is not None for state in states):
-        return step
-    chunks = list(step.chunks)
-    for index, state in enumerate(states):
-        if state is not None:
-            generator = torch.Generator()
-            generator.set_state(_tensor(state))
-            chunks[index] = attrs.evolve(chunks[index], generator=generator)
-    return attrs.evolve(step, chunks=chunks)
-
-
 class WorkerControl:
     """(worker) What the runner's checkpoints read: the shared control block."""
 
@@ -246,9 +224,10 @@ def worker_main(
         conn.send(("failed", f"{exc!r}"))
         return
     conn.send(("ready", os.getpid()))
+    decoder = StepDecoder()
     try:
         while (message := conn.recv()) is not None:
-            step = _generators_from_bytes(*message)
+            step = decoder.decode(message)
             control.reset()
             try:
                 tokens = runner.execute(step, control)  # type: ignore[arg-type]
@@ -258,10 +237,27 @@ def worker_main(
             except Exception as exc:
                 conn.send(("error", f"{exc!r}"))
                 continue
-            states = [_bytes(c.generator) if c.generator else None for c in step.chunks]
-            conn.send(("done", tokens, states))
+            conn.send(encode_answer(tokens, step))
     except (EOFError, OSError):
         pass  # the parent is gone: nothing to serve
+
+
+@contextmanager
+def worker_environment() -> Iterator[None]:
+    """The environment a worker process is spawned with: this process's, plus
+    `MALLOC_TUNABLES` (kept as it is where the user set glibc's hugetlb tunable)."""
+    before = os.environ.get("GLIBC_TUNABLES")
+    if before is not None and "glibc.malloc.hugetlb" in before:
+        yield
+        return
+    os.environ["GLIBC_TUNABLES"] = f"{before}:{MALLOC_TUNABLES}" if before else MALLOC_TUNABLES
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = before
 
 
 def _nice_every_thread(increment: int) -> None:
@@ -306,7 +302,8 @@ class ProcessRunner:
         self._process: Any = None  # the ready worker, or None
         self._conn: Connection | None = None
         self._pipe: LoopPipe | None = None  # the same, for the event loop
-        self._lock = threading.Lock()  # guards the three above; held for a whole step
+        self._encoder: StepEncoder | None = None  # what that worker was sent so far
+        self._lock = threading.Lock()  # guards the four above; held for a whole step
         self._changed = threading.Condition(self._lock)  # a worker is ready, or none will be
         self._stopping = False
         self._gave_up = False  # a worker failed to start: no other is coming
@@ -333,8 +330,9 @@ class ProcessRunner:
             assert self._conn is not None
             try:
                 sent, guided = _masks_for_worker(step, self.vocab_size)
-                self._conn.send(_state_as_bytes(sent))
-                sampled = self._answer(step, self._conn.recv())
+                assert self._encoder is not None  # set with the connection
+                self._conn.send(self._encoder.encode(sent))
+                sampled = decode_answer(step, self._conn.recv())
             except (EOFError, OSError) as exc:
                 raise self._died() from exc
             for index, guide in guided:
@@ -359,12 +357,13 @@ class ProcessRunner:
             # Shielded: once sent, the answer must be read, as `execute` in a thread would.
             with anyio.CancelScope(shield=True):
                 try:
-                    await self._pipe.send(_state_as_bytes(step))
+                    assert self._encoder is not None  # set with the pipe
+                    await self._pipe.send(self._encoder.encode(step))
                     message = await self._pipe.receive()
                 except (EOFError, OSError) as exc:
                     died = await anyio.to_thread.run_sync(self._died)
                     raise died from exc
-            return self._answer(step, message)
+            return decode_answer(step, message)
         finally:
             self._lock.release()
 
@@ -421,7 +420,8 @@ class ProcessRunner:
             daemon=True,
         )
         try:
-            process.start()
+            with worker_environment():
+                process.start()
         except OSError as exc:  # the system refused (no memory, too many processes)
             parent.close()
             with self._lock:
@@ -446,6 +446,7 @@ class ProcessRunner:
             released = self.local.model_bytes
             self.local.release_model()  # before /stats can show the worker as ready
             self._process, self._conn, self._pipe = process, parent, LoopPipe(parent)
+            self._encoder = StepEncoder()
         freed = (
             f"; the engine's copy of the model freed {released / 2**20:.0f} MiB" if released else ""
         )
@@ -484,24 +485,10 @@ class ProcessRunner:
         finally:
             self._lock.release()
 
-    def _answer(self, step: StepInput, message: Any) -> list[Sampled | None]:
-        """The tokens of the worker's answer to `step`."""
-        kind = message[0]
-        if kind == "done":
-            _, tokens, states = message
-            for chunk, state in zip(step.chunks, states, strict=True):
-                if chunk.generator is not None and state is not None:
-                    chunk.generator.set_state(_tensor(state))  # as if it had drawn here
-            return tokens
-        elif kind == "aborted":
-            raise StepAborted
-        else:
-            raise RuntimeError(f"model worker: {message[1]}")
-
     def _drop_worker(self, timeout: float) -> int | None:
         """Forget the worker (steps run locally again) and reap it; its exit code."""
         process, conn, pipe = self._process, self._conn, self._pipe
-        self._process = self._conn = self._pipe = None
+        self._process = self._conn = self._pipe = self._encoder = None
         if pipe is not None:
             pipe.close()
         if conn is not None:

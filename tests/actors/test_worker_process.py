@@ -20,7 +20,7 @@ import pytest
 
 from kvscope import Engine
 from kvscope.models.loader import BUNDLED_DIR
-from kvscope.models.worker import MAIN_GUARD_HINT
+from kvscope.models.worker import MAIN_GUARD_HINT, MALLOC_TUNABLES
 from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -308,3 +308,15 @@ async def test_the_thread_workers_model_threads_run_as_a_batch_job():
         assert forward_threads
         assert {os.sched_getscheduler(tid) for tid in forward_threads} == {os.SCHED_BATCH}
     assert os.sched_getscheduler(0) == loop_policy
+
+
+async def test_the_worker_starts_with_huge_pages_asked_of_malloc():
+    """The worker's environment carries glibc's hugetlb tunable (its weights and
+    activations on transparent huge pages); the engine's own environment does not."""
+    before = os.environ.get("GLIBC_TUNABLES")
+    async with open_engine(worker="process") as engine:
+        pid = await worker_ready(engine)
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        tunables = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
+        assert len(tunables) == 1 and MALLOC_TUNABLES.encode() in tunables[0]
+        assert os.environ.get("GLIBC_TUNABLES") == before

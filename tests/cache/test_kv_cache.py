@@ -4,6 +4,8 @@ where only the torch reference will serve (no compiler, or the reference forced)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,3 +67,34 @@ def test_either_layout_reads_and_writes_the_same_slots(monkeypatch) -> None:
         assert torch.equal(head_major[4], head_major[1]) and torch.equal(
             head_major[5], head_major[2]
         )
+
+
+def advised_huge(address: int) -> bool:
+    """Whether the mapping holding `address` was advised for huge pages (`hg`)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()
+    return False
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+    reason="no transparent huge pages in this kernel",
+)
+def test_the_cpu_cache_asks_for_huge_pages() -> None:
+    """Each layer's K and V storage (16 MiB here) is advised for transparent huge pages
+    before its first touch, so the decode's scattered blocks miss the TLB less."""
+    kv = KVCache(
+        num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=4, head_dim=64,
+        dtype=torch.float32, device=CPU,
+    )  # fmt: skip
+    for tensor in (*kv.keys, *kv.values):
+        middle = tensor.data_ptr() + tensor.untyped_storage().nbytes() // 2
+        assert advised_huge(middle)
+        assert not tensor.any()  # still zeros, as before

@@ -24,6 +24,18 @@ def test_plain_greedy_rows_are_the_argmax() -> None:
     assert [s.token for s in out] == [1, 0] and all(s.logprobs is None for s in out)
 
 
+def test_greedy_rows_take_argmaxs_token_on_ties_nans_and_masked_rows() -> None:
+    """The first of equal maxima, the first NaN, and token 0 for a row with every
+    token banned, as `torch.argmax` gives them, on rows as wide as a real vocabulary."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 8000), generator=generator).float()  # many ties
+    logits[5, [17, 4000]] = float("nan")
+    logits[9] = float("-inf")
+    out = sample(logits, [SamplingParams(**GREEDY)] * 64, [None] * 64)
+    assert [s.token for s in out] == logits.argmax(dim=-1).tolist()
+    assert out[5].token == 17 and out[9].token == 0
+
+
 def test_logprobs_are_the_raw_log_softmax_and_its_top_k() -> None:
     logits = torch.tensor([[0.5, 2.0, -1.0, 1.5], [0.0, 0.0, 0.0, 3.0]])
     # Row 0 is biased towards token 2 and samples it; its log-probabilities stay those
