@@ -5,6 +5,10 @@ block-major or head-major, as `attention.block_major_cache` says for the device)
 `s` is block `s // block_size`,
 offset `s % block_size`. Which block belongs to whom is the `BlockPool`'s business; this class
 only holds the memory and copies blocks for copy-on-write.
+
+It also tells Linux how the memory is used: huge pages where they can be had (its own
+memory; `advise_huge_pages`), and, in the model worker, every page of the shared cache
+mapped in before the first step (`map_in`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import torch
 
 from kvscope.kernels.attention import block_major_cache
 
-#: Linux's `madvise` advice for transparent huge pages, and their size on x86-64.
+#: Linux's `madvise` advice: transparent huge pages; map the pages in, writable.
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23
+#: Page sizes on x86-64: small, and transparent huge.
+_PAGE = 4096
 _HUGE_PAGE = 2 << 20
 
 
@@ -57,6 +64,16 @@ class KVCache:
         for cache in (*self.keys, *self.values):
             cache.share_memory_()
 
+    def map_in(self) -> None:
+        """Map every page of the K/V tensors into this process now (the model worker, at
+        its start, for the cache the engine shared with it), so that no step pays the
+        page faults of its first touch: 131,072 for the reference model's 512 MiB, ~50,000
+        of them in a run of 64 requests of 384 tokens, most during the first prefills
+        (`madvise(MADV_POPULATE_WRITE)`, 37 ms for the whole cache on the 2-core machine).
+        Nothing happens where Linux (before 5.14) or the platform lacks the call."""
+        for cache in (*self.keys, *self.values):
+            _madvise(cache, _MADV_POPULATE_WRITE, whole_pages=False)
+
     @staticmethod
     def bytes_per_block(
         *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -83,15 +100,24 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
     Only memory of this process's own gets them (the thread worker's cache, an engine
     in-process); shared memory (the process worker's) takes the kernel's shmem setting,
     off by default. Nothing happens where the call or the advice is not there."""
+    _madvise(tensor, _MADV_HUGEPAGE, whole_pages=True)
+
+
+def _madvise(tensor: torch.Tensor, advice: int, *, whole_pages: bool) -> None:
+    """`madvise` over a CPU tensor's storage: only the huge pages wholly inside it
+    (`whole_pages`), or every small page it touches; errors are ignored."""
     if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
         return
-    start = tensor.data_ptr()
+    start = tensor.untyped_storage().data_ptr()
     end = start + tensor.untyped_storage().nbytes()
-    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if whole_pages:
+        first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    else:
+        first, last = start // _PAGE * _PAGE, end
     if last <= first:
         return
     try:
         madvise = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
         return
-    madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE)
+    madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), advice)

@@ -219,6 +219,7 @@ def worker_main(
             spec.model, device=torch.device(spec.device), dtype=spec.dtype, seed=spec.seed
         )
         runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
+        kv_cache.map_in()
         control = WorkerControl(flags.numpy())
     except Exception as exc:
         conn.send(("failed", f"{exc!r}"))

@@ -4,10 +4,13 @@ where only the torch reference will serve (no compiler, or the reference forced)
 
 from __future__ import annotations
 
+import resource
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing
 
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.attention import block_major_cache
@@ -98,3 +101,36 @@ def test_the_cpu_cache_asks_for_huge_pages() -> None:
         middle = tensor.data_ptr() + tensor.untyped_storage().nbytes() // 2
         assert advised_huge(middle)
         assert not tensor.any()  # still zeros, as before
+
+
+def _touch_and_count_faults(kv: KVCache, map_in: bool, answer) -> None:
+    """(a spawned child) Write one element a page of each tensor; report the faults."""
+    if map_in:
+        kv.map_in()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for tensor in (*kv.keys, *kv.values):
+        tensor.view(-1)[:: 4096 // tensor.element_size()] = 1
+    answer.put(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_POPULATE_WRITE) is Linux's")
+@pytest.mark.parametrize("map_in", [False, True])
+def test_a_worker_maps_the_shared_cache_in_before_its_first_step(map_in: bool) -> None:
+    """The model worker maps the cache the engine shared with it at its start, so its
+    steps take no page fault on a block's first write."""
+    kv = KVCache(
+        num_layers=2, num_blocks=256, block_size=16, num_kv_heads=4, head_dim=64,
+        dtype=torch.bfloat16, device=CPU,
+    )  # fmt: skip
+    kv.share_memory()
+    pages = sum(t.untyped_storage().nbytes() for t in (*kv.keys, *kv.values)) // 4096
+    context = torch.multiprocessing.get_context("spawn")
+    answer = context.Queue()
+    child = context.Process(target=_touch_and_count_faults, args=(kv, map_in, answer))
+    child.start()
+    faults = answer.get(timeout=120)
+    child.join(60)
+    if map_in:
+        assert faults < pages // 10
+    else:
+        assert faults >= pages // 2  # what the mapping saves
