@@ -138,6 +138,8 @@ class CpuKernel:
         self.prefill_op: Callable[..., None] | None = None
         #: The fused elementwise steps (`csrc/elementwise.cpp`, used by `kernels/fused.py`).
         self.silu_and_mul_op: Callable[..., None] | None = None
+        #: Where the vector path has VDPBF16PS only (`kernels.linear.small_linear`).
+        self.small_linear_op: Callable[..., None] | None = None
         self.rms_norm_op: Callable[..., None] | None = None
         self.rope_and_cache_op: Callable[..., None] | None = None
         #: Whether prefill chunks go through `prefill_op` rather than SDPA.
@@ -213,17 +215,20 @@ class CpuKernel:
             silu_and_mul = torch.ops.kvscope.silu_and_mul.default
             rms_norm = torch.ops.kvscope.rms_norm.default
             rope_and_cache = torch.ops.kvscope.rope_and_cache.default
+            small_linear = torch.ops.kvscope.small_linear.default
             isa = str(torch.ops.kvscope.paged_decode_isa())
             _check(op)
             _check_prefill(prefill_op)
             _check_elementwise(silu_and_mul, rms_norm)
             _check_rope_and_cache(rope_and_cache)
+            _check_small_linear(small_linear)
         except Exception as exc:  # a stale or broken build: never let it serve
             self._give_up(f"the kernel at {path} did not load or check out ({exc})")
             return
         self.prefill_in_place = _prefill_in_place(prefill_op)
         self.silu_and_mul_op, self.rms_norm_op = silu_and_mul, rms_norm
         self.rope_and_cache_op = rope_and_cache
+        self.small_linear_op = small_linear if isa == "avx512-bf16" else None
         self.op, self.prefill_op, self.isa = op, prefill_op, isa
         with contextlib.suppress(OSError):
             os.utime(path)  # "recent" for `prune_builds` means recently used
@@ -404,6 +409,19 @@ def _check_elementwise(silu_and_mul: Callable[..., None], rms_norm: Callable[...
         rms_norm(normed, x, weight, 1e-6)
         _require_close(activated, torch_silu_and_mul(x), f"{dtype} silu_and_mul")
         _require_close(normed, torch_rms_norm(x, weight, 1e-6), f"{dtype} rms_norm")
+
+
+def _check_small_linear(small_linear: Callable[..., None]) -> None:
+    """Raise unless `small_linear` agrees with `F.linear` in bfloat16 (one and two rows,
+    a width the vector path takes and one it does not, with and without a bias)."""
+    generator = torch.Generator().manual_seed(4)
+    for rows, k, biased in ((1, 64, False), (2, 64, True), (2, 40, True)):
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        weight = torch.randn(70, k, generator=generator).bfloat16()
+        bias = torch.randn(70, generator=generator).bfloat16() if biased else None
+        out = x.new_empty(rows, 70)
+        small_linear(out, x, weight, bias)
+        _require_close(out, torch.nn.functional.linear(x, weight, bias), "small_linear")
 
 
 def _check_rope_and_cache(rope_and_cache: Callable[..., None]) -> None:

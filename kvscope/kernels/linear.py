@@ -18,6 +18,13 @@ the multiply (one reference-model layer's linears at 32 rows: 2.6 ms prepacked a
 3.6 ms). The copies are made while they fit in `WIDE_COPY_BUDGET` (the prepacked one
 first to go).
 
+A linear of one or two bfloat16 rows (a decode step of one or two sequences) goes
+through the compiled library's `small_linear` where the CPU has AVX-512 BF16 (checked
+against `F.linear` when the library loads): oneDNN takes ~18 µs a call before it
+multiplies, and reads the weights slower than one pass dotting their rows. One decode
+step's linears of the reference model at one row, 2 threads: 2.2 against 3.0 ms
+(docs/benchmarks/README.md, session 18).
+
 Every fast layout is checked once, at `plan` time, against `F.linear` on random rows
 within `TOLERANCE`; one that does not hold is dropped with a log line, and the next
 layout down (or `F.linear`) serves. Other dtypes and devices always use `F.linear`.
@@ -31,6 +38,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .cpu_decode import cpu_kernel
+
 log = logging.getLogger(__name__)
 
 #: From this many rows a float32 copy beats torch's bfloat16 GEMM on an AVX2 CPU
@@ -41,6 +50,10 @@ WIDE_ROWS = 6
 PACKED_WIDE_ROWS = 4
 #: The most memory the float32 copies may take, in bytes.
 WIDE_COPY_BUDGET = 4 << 30
+#: Most rows a bfloat16 linear sends to the compiled `small_linear` (one row: 34 against
+#: 70 µs for a 1,024 x 512 weight; two: 51 against 75; four rows were slower for the
+#: wide weights).
+SMALL_ROWS = 2
 #: Largest difference allowed, relative to the largest output, against `F.linear`.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -62,7 +75,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return prepacked(x, self.packed, self.bias)
+            small = small_linear(x, self.weight, self.bias)
+            return small if small is not None else prepacked(x, self.packed, self.bias)
         rows = x.shape[0]
         if self.wide_packed is not None and rows >= PACKED_WIDE_ROWS:
             return prepacked(x.float(), self.wide_packed, self.wide_bias).to(x.dtype)
@@ -81,6 +95,26 @@ class Linear:
 def prepacked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x W^T + b` with W as `reorder` prepacked it."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """`x W^T + b` by the compiled library for up to `SMALL_ROWS` bfloat16 rows; None,
+    having done nothing, where it does not apply."""
+    op = cpu_kernel().small_linear_op
+    if (
+        op is None
+        or x.dim() != 2
+        or x.shape[0] > SMALL_ROWS
+        or x.dtype != torch.bfloat16
+        or x.stride(-1) != 1
+        or not weight.is_contiguous()
+    ):
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    op(out, x, weight, bias)
+    return out
 
 
 def reorder(weight: torch.Tensor) -> torch.Tensor:

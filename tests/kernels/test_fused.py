@@ -11,6 +11,7 @@ import torch
 from kvscope.kernels import fused
 from kvscope.kernels.attention import write_slots
 from kvscope.kernels.cpu_decode import cpu_kernel
+from kvscope.kernels.linear import Linear, plan
 from kvscope.models.rope import apply_rotary, rotary_tables
 
 # Widths: the reference model's (512 and 2 x 1408), and one the vector path does not
@@ -179,3 +180,54 @@ def test_rope_and_cache_refuses_a_slot_outside_the_cache(loaded) -> None:
         loaded.rope_and_cache_op(qk, v, cos, sin, slots, keys, values)
     with pytest.raises(RuntimeError, match="qk's dtype"):
         loaded.rope_and_cache_op(qk, v.float(), cos, sin, slots.clamp_max(5), keys, values)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("shape", [(2816, 512), (512, 1408), (70, 40)], ids=str)
+@pytest.mark.parametrize("biased", [False, True], ids=["no bias", "bias"])
+def test_small_linear_is_f_linear(loaded, rows, shape, biased) -> None:
+    """One or two bfloat16 rows against the reference model's widths and one the vector
+    path does not divide (40): F.linear's values, off by a bfloat16 rounding in a rare
+    element (float32 sums in another order)."""
+    generator = torch.Generator().manual_seed(rows)
+    n, k = shape
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if biased else None
+    out = x.new_empty(rows, n)
+    torch.ops.kvscope.small_linear(out, x, weight, bias)
+    ref = torch.nn.functional.linear(x, weight, bias)
+    assert (out != ref).sum().item() <= max(1, out.numel() // 100)
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-6).all()
+
+
+def test_small_linear_serves_the_bfloat16_linears_of_one_or_two_rows(loaded, monkeypatch):
+    """Where the CPU has AVX-512 BF16, a prepacked linear of one or two rows goes through
+    `small_linear` (its result, not oneDNN's), and of three rows through oneDNN."""
+    if loaded.small_linear_op is None:
+        pytest.skip(f"no AVX-512 BF16 vector path here ({loaded.isa})")
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    layer = Linear(weight)
+    if plan([layer]) != "prepacked":
+        pytest.skip("oneDNN does not prepack bfloat16 here")
+    calls: list[int] = []
+    real = loaded.small_linear_op
+    monkeypatch.setattr(
+        loaded,
+        "small_linear_op",
+        lambda out, x, w, b: calls.append(x.shape[0]) or real(out, x, w, b),
+    )
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.allclose(layer(x).float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
+    assert calls == [1, 2]
+
+
+def test_small_linear_refuses_what_it_cannot_read(loaded) -> None:
+    """Three rows, or another dtype, are refused with a reason (the Python side never
+    sends them)."""
+    x, weight = torch.randn(3, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="1 or 2 rows"):
+        torch.ops.kvscope.small_linear(x.new_empty(3, 8), x, weight, None)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        torch.ops.kvscope.small_linear(torch.empty(1, 8), x[:1].float(), weight.float(), None)

@@ -7,6 +7,9 @@
 //       rotates q and k heads in place (Hugging Face's rotary embedding, rounded as
 //       kvscope/models/rope.py's `apply_rotary` rounds), then writes the rotated k heads
 //       and the v heads into the paged cache at `slots` (what `write_slots` does)
+//   small_linear(out, x, w, bias):   out = x w^T + bias for a few bfloat16 rows (a decode
+//       step of one or two sequences): one pass over w's rows, each dotted with every
+//       row of x (VDPBF16PS where the CPU has it, float32 sums), rounded once
 //
 // Each rounds where torch's unfused ops round, so a bfloat16 result differs from theirs
 // only where a float32 intermediate (exp, the sum of squares, in another order) lands
@@ -22,10 +25,12 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <type_traits>
 
 namespace {
@@ -247,6 +252,83 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
   }
 }
 
+// small_linear: rows [n0, n1) of w against the M rows of x, four of w's rows at a time
+// (their sums independent, so the loads of the next overlap the multiply-adds).
+template <int M>
+void small_linear_rows(bf16* out, const bf16* x, const bf16* w, const bf16* bias, int64_t k,
+                       int64_t xs, int64_t os, int64_t n0, int64_t n1) {
+  constexpr int64_t AT_ONCE = 4;
+  for (int64_t n = n0; n < n1; n += AT_ONCE) {
+    const int64_t count = std::min(AT_ONCE, n1 - n);
+    float sums[AT_ONCE][M];
+#ifdef KVSCOPE_AVX512_BF16
+    if (k % 32 == 0) {
+      __m512 acc[AT_ONCE][M];
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm512_setzero_ps();
+      const bf16* rows[AT_ONCE];  // past n1, repeat the last row; its sums are unused
+      for (int64_t r = 0; r < AT_ONCE; ++r) rows[r] = w + std::min(n + r, n1 - 1) * k;
+      for (int64_t d = 0; d < k; d += 32) {
+        __m512bh xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + d);
+        for (int64_t r = 0; r < AT_ONCE; ++r) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(rows[r] + d);
+          for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv[m], wv);
+        }
+      }
+      for (int64_t r = 0; r < count; ++r)
+        for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+    } else
+#endif
+    {
+      for (int64_t r = 0; r < count; ++r)
+        for (int m = 0; m < M; ++m) {
+          float sum = 0;
+          for (int64_t d = 0; d < k; ++d) sum += widen(x[m * xs + d]) * widen(w[(n + r) * k + d]);
+          sums[r][m] = sum;
+        }
+    }
+    for (int64_t r = 0; r < count; ++r)
+      for (int m = 0; m < M; ++m) {
+        const float b = bias != nullptr ? widen(bias[n + r]) : 0.0f;
+        out[m * os + n + r] = bf16(sums[r][m] + b);
+      }
+  }
+}
+
+void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= 2, "small_linear: 1 or 2 rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "small_linear: bfloat16 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(1) == k,
+              "small_linear: x [rows, k] with contiguous rows, weight contiguous [n, k]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == n && out.stride(1) == 1,
+              "small_linear: out [rows, n] with contiguous rows");
+  const bf16* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->numel() == n,
+                "small_linear: bias contiguous [n], bfloat16");
+    b = bias->data_ptr<bf16>();
+  }
+  bf16* o = out.data_ptr<bf16>();
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = weight.data_ptr<bf16>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  // Work items of 4 rows of w; 16 items (64 rows of w) at least a thread.
+  at::parallel_for(0, (n + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * 4, n1 = std::min(n, end * 4);
+    if (rows == 1)
+      small_linear_rows<1>(o, xp, wp, b, k, xs, os, n0, n1);
+    else
+      small_linear_rows<2>(o, xp, wp, b, k, xs, os, n0, n1);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
@@ -255,10 +337,12 @@ TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def(
       "rope_and_cache(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, Tensor slots,"
       " Tensor(b!) key_cache, Tensor(c!) value_cache) -> ()");
+  m.def("small_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_and_cache", &rope_and_cache);
+  m.impl("small_linear", &small_linear);
 }
