@@ -138,10 +138,11 @@ class CpuKernel:
         self.prefill_op: Callable[..., None] | None = None
         #: The fused elementwise steps (`csrc/elementwise.cpp`, used by `kernels/fused.py`).
         self.silu_and_mul_op: Callable[..., None] | None = None
-        #: Where the vector path has VDPBF16PS only (`kernels.linear.small_linear`).
-        self.small_linear_op: Callable[..., None] | None = None
         self.rms_norm_op: Callable[..., None] | None = None
         self.rope_and_cache_op: Callable[..., None] | None = None
+        #: One or two bfloat16 rows times a weight (`kernels.linear.small_linear`); set
+        #: only where the vector path has VDPBF16PS.
+        self.small_linear_op: Callable[..., None] | None = None
         #: Whether prefill chunks go through `prefill_op` rather than SDPA.
         self.prefill_in_place = False
         self.why_not: str | None = None  # why the fallback serves, once known
