@@ -57,6 +57,7 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
             threads,
             engine_config.checkpoint_gap,
             engine_config.worker_nice,
+            engine_config.max_num_batched_tokens,
         )
     return build_parts(loaded, engine_config, torch_device, worker)
 

@@ -99,6 +99,8 @@ class WorkerSpec:
     threads: int | None
     checkpoint_gap: float
     nice: int = 0
+    #: Tokens of the step the worker runs before it is ready (`ModelRunner.warm_up`).
+    warm_up_tokens: int = 0
 
 
 class SharedFlag:
@@ -220,6 +222,7 @@ def worker_main(
         )
         runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
         kv_cache.map_in()
+        runner.warm_up(spec.warm_up_tokens)  # the engine serves meanwhile
         control = WorkerControl(flags.numpy())
     except Exception as exc:
         conn.send(("failed", f"{exc!r}"))

@@ -164,3 +164,21 @@ def test_gaps_are_counted_for_an_aborted_step_too():
     with pytest.raises(StepAborted):
         runner.execute(StepInput(chunks(), []), control)
     assert runner.gaps.statistics().count == 2  # start -> first checkpoint -> end
+
+
+def test_the_warm_up_step_leaves_the_cache_and_the_gaps_alone():
+    """`warm_up` runs a full step's rows on a scratch cache: the shared cache keeps its
+    contents, the checkpoint-gap histogram counts nothing, and the runner's steps give
+    the tokens they gave before it."""
+    runner = make_runner()
+    before = runner.execute(StepInput(chunks(), []), StepControl())
+    kv = runner.kv_cache
+    for cache in (*kv.keys, *kv.values):
+        cache.fill_(0.5)
+    snapshot = [t.clone() for t in (*kv.keys, *kv.values)]
+    gaps_before = runner.gaps.statistics().count
+    runner.warm_up(600)  # three prompts of 256, 256 and 88 tokens
+    assert runner.kv_cache is kv
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, (*kv.keys, *kv.values), strict=True))
+    assert runner.gaps.statistics().count == gaps_before
+    assert runner.execute(StepInput(chunks(), []), StepControl()) == before
