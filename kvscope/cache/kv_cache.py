@@ -95,8 +95,9 @@ class KVCache:
 def advise_huge_pages(tensor: torch.Tensor) -> None:
     """Ask Linux for transparent huge pages under a CPU tensor not yet touched. A decode
     step reads its sequences' blocks wherever the pool put them, a TLB miss a block on
-    4 KiB pages: the decode kernel alone, 32 rows over blocks in random order, took 0.80
-    ms a layer on huge pages against 0.90-1.10 (docs/benchmarks/README.md, session 18).
+    4 KiB pages: the decode kernel alone, 32 rows over blocks in random order (measured
+    on a head-major cache), took 0.80 ms a layer on huge pages against 0.90-1.10
+    (docs/benchmarks/README.md, session 18).
     Only memory of this process's own gets them (the thread worker's cache, an engine
     in-process); shared memory (the process worker's) takes the kernel's shmem setting,
     off by default. Nothing happens where the call or the advice is not there."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvscope.kernels.sampling import Sampled, TokenLogprobs
+from kvscope.kernels.sampling import Sampled
 from kvscope.params import SamplingParams
 
 from .llama import StepAborted
@@ -142,8 +142,7 @@ def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
     for chunk, state in zip(step.chunks, states, strict=True):
         if chunk.generator is not None and state is not None:
             chunk.generator.set_state(_tensor(state))
-    found: dict[int, TokenLogprobs] = logprobs
-    return [None if token < 0 else Sampled(token, found.get(i)) for i, token in enumerate(ids)]
+    return [None if token < 0 else Sampled(token, logprobs.get(i)) for i, token in enumerate(ids)]
 
 
 def _bytes(generator: torch.Generator) -> bytes:

@@ -249,7 +249,11 @@ def worker_main(
 @contextmanager
 def worker_environment() -> Iterator[None]:
     """The environment a worker process is spawned with: this process's, plus
-    `MALLOC_TUNABLES` (kept as it is where the user set glibc's hugetlb tunable)."""
+    `MALLOC_TUNABLES` (kept as it is where the user set glibc's hugetlb tunable).
+    multiprocessing's spawn takes no environment of its own, so this process's is
+    changed for the spawn's duration and restored after it; another thread that reads
+    `GLIBC_TUNABLES` meanwhile sees the tunable (glibc reads it only at a program's
+    start, so no running code changes behaviour)."""
     before = os.environ.get("GLIBC_TUNABLES")
     if before is not None and "glibc.malloc.hugetlb" in before:
         yield
