@@ -74,14 +74,32 @@ MAIN_GUARD_HINT = (
 SECOND_COPY_SHARE = 0.8
 
 
-#: glibc's malloc tunables the worker starts with: its large allocations (the weights,
-#: their prepacked copies, the activations) asked for transparent huge pages, so a
-#: forward's reads miss the TLB less. In-process on the 2-core machine, 2 threads, three
-#: alternating runs of 200 steps each: a decode step of 32 rows 15.3-15.4 ms (mean)
-#: against 15.9-18.8, of one row 7.2-7.7 against 7.6-8.9 (docs/benchmarks/README.md,
-#: session 18). A glibc before 2.35 ignores the tunable; a kernel with transparent huge
-#: pages off ignores the advice.
-MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
+#: glibc's malloc tunables the worker starts with, by name.
+#:
+#: `hugetlb=1`: its large allocations (the weights, their prepacked copies, the
+#: activations) ask for transparent huge pages, so a forward's reads miss the TLB less.
+#: In-process on the 2-core machine, 2 threads, three alternating runs of 200 steps
+#: each: a decode step of 32 rows 15.3-15.4 ms (mean) against 15.9-18.8, of one row
+#: 7.2-7.7 against 7.6-8.9 (docs/benchmarks/README.md, session 18).
+#:
+#: `mmap_threshold` and `trim_threshold`: a step's activations (up to 32 MiB each) come
+#: from the heap, and the heap keeps what the biggest step freed instead of handing it
+#: back to the kernel and faulting it in again (zeroing each huge page) the next step:
+#: the worker holds its busiest step's memory, as a caching allocator would. A step of
+#: 8 prompts of 256 tokens and 8 decode rows, in-process, 2 threads, 20 steps a run:
+#: 0.2-0.4 page faults a step against 31-62, a mean of 95-111 ms in five runs against
+#: 114-127 ms in four with `hugetlb` alone (docs/benchmarks/README.md, session 19).
+#: Served, the worker had settled to few faults after its first level anyway (81 in a
+#: level, against 0-6), and 32 streams showed no difference in three alternating pairs;
+#: the tunables take the first level's 1,400 faults and the in-process variance away.
+#:
+#: A glibc before 2.35 ignores `hugetlb`; a kernel with transparent huge pages off
+#: ignores the advice.
+MALLOC_TUNABLES = {
+    "glibc.malloc.hugetlb": "1",
+    "glibc.malloc.mmap_threshold": str(32 << 20),  # glibc's largest
+    "glibc.malloc.trim_threshold": str(1 << 30),
+}
 
 
 class WorkerDied(RuntimeError):
@@ -248,17 +266,17 @@ def worker_main(
 
 @contextmanager
 def worker_environment() -> Iterator[None]:
-    """The environment a worker process is spawned with: this process's, plus
-    `MALLOC_TUNABLES` (kept as it is where the user set glibc's hugetlb tunable).
+    """The environment a worker process is spawned with: this process's, plus each of
+    `MALLOC_TUNABLES` the user's `GLIBC_TUNABLES` does not set already (theirs wins).
     multiprocessing's spawn takes no environment of its own, so this process's is
     changed for the spawn's duration and restored after it; another thread that reads
-    `GLIBC_TUNABLES` meanwhile sees the tunable (glibc reads it only at a program's
+    `GLIBC_TUNABLES` meanwhile sees the tunables (glibc reads them only at a program's
     start, so no running code changes behaviour)."""
     before = os.environ.get("GLIBC_TUNABLES")
-    if before is not None and "glibc.malloc.hugetlb" in before:
-        yield
-        return
-    os.environ["GLIBC_TUNABLES"] = f"{before}:{MALLOC_TUNABLES}" if before else MALLOC_TUNABLES
+    users = [entry for entry in (before or "").split(":") if entry]
+    named = {entry.split("=", 1)[0] for entry in users}
+    ours = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items() if name not in named]
+    os.environ["GLIBC_TUNABLES"] = ":".join(users + ours)
     try:
         yield
     finally:
