@@ -25,6 +25,15 @@ multiplies, and reads the weights slower than one pass dotting their rows. One d
 step's linears of the reference model at one row, 2 threads: 2.2 against 3.0 ms
 (docs/benchmarks/README.md, session 18).
 
+A prepacked multiply's rows are rounded up to a bucket (`bucket_rows`), the rows added
+zero, and only the real rows' outputs kept: oneDNN builds (JIT-compiles) its kernels
+for each row count the first time it meets it, and the second call is as slow again, so
+a step with a new count (a new mix of decode rows and prompts) paid ~15 ms a layer twice
+over (the four linear shapes of the reference model at ~1,540 rows: 17-23 ms the first
+two calls, 4.1-4.8 after). Buckets bound the row counts to a few dozen, which the model
+worker builds before it serves (`ModelRunner.warm_up`). A row's output does not depend
+on the rows beside it.
+
 Every fast layout is checked once, at `plan` time, against `F.linear` on random rows
 within `TOLERANCE`; one that does not hold is dropped with a log line, and the next
 layout down (or `F.linear`) serves. Other dtypes and devices always use `F.linear`.
@@ -54,6 +63,10 @@ WIDE_COPY_BUDGET = 4 << 30
 #: 70 µs for a 1,024 x 512 weight; two: 51 against 75; four rows were slower for the
 #: wide weights).
 SMALL_ROWS = 2
+#: Row buckets of a prepacked multiply: up to `BUCKET_SMALL_UNTIL` rows, a multiple of
+#: `BUCKET_SMALL` (a few rows more cost next to nothing where the weights' reading is the
+#: cost); past it, a multiple of `BUCKET_LARGE` (at most 4 % more rows at 1,536).
+BUCKET_SMALL, BUCKET_SMALL_UNTIL, BUCKET_LARGE = 16, 256, 64
 #: Largest difference allowed, relative to the largest output, against `F.linear`.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -92,9 +105,30 @@ class Linear:
         return "plain"
 
 
+def bucket_rows(rows: int) -> int:
+    """The row count a prepacked multiply of `rows` rows runs at."""
+    step = BUCKET_SMALL if rows <= BUCKET_SMALL_UNTIL else BUCKET_LARGE
+    return -(-rows // step) * step
+
+
+def row_buckets(up_to: int) -> list[int]:
+    """Every bucket a multiply of 1 to `up_to` rows may run at, smallest first."""
+    buckets = list(range(BUCKET_SMALL, min(up_to, BUCKET_SMALL_UNTIL) + BUCKET_SMALL, BUCKET_SMALL))
+    if up_to > BUCKET_SMALL_UNTIL:
+        buckets += range(BUCKET_SMALL_UNTIL + BUCKET_LARGE, bucket_rows(up_to) + 1, BUCKET_LARGE)
+    return buckets
+
+
 def prepacked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x W^T + b` with W as `reorder` prepacked it."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """`x W^T + b` with W as `reorder` prepacked it, at `bucket_rows` rows."""
+    rows = x.shape[0]
+    padded = bucket_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    buffer = x.new_empty(padded, x.shape[1])
+    buffer[:rows] = x
+    buffer[rows:] = 0
+    return torch.ops.mkldnn._linear_pointwise(buffer, packed, bias, "none", [], "")[:rows]
 
 
 def small_linear(

@@ -29,6 +29,7 @@ from kvscope.cache.block_table import blocks_needed
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
+from kvscope.kernels.linear import BUCKET_SMALL_UNTIL, row_buckets
 from kvscope.kernels.sampling import RowState, Sampled, sample
 from kvscope.params import SamplingParams
 from kvscope.scheduling import as_model_thread
@@ -122,30 +123,37 @@ class ModelRunner:
         return 0 if self.model.released else self._model_bytes
 
     def warm_up(self, tokens: int) -> None:
-        """Run one prefill step of `tokens` tokens (prompts of `WARM_UP_CHUNK`) on a
-        scratch cache, then forget it, so that a full step's kernels are built before
-        the first real one: oneDNN generates its kernels for a row count the first time
-        it meets it, and the slicer prepacks its pieces. Served, the first 2,048-token
-        step took 447 ms of the worker's CPU against 222-264 for the ones after it, and
-        the first wave's prompts waited behind it. Neither the shared cache nor the
-        checkpoint-gap histogram sees the step."""
+        """Run one step for each row bucket of up to `tokens` rows (`linear.row_buckets`)
+        on a scratch cache, then forget it, so that every kernel a step can need is built
+        before the first real step: oneDNN generates its kernels for a row count the
+        first time it meets it (slowly again the second time), and the slicer prepacks
+        its pieces. Up to `BUCKET_SMALL_UNTIL` rows a step is of one-token rows (decode
+        steps, and the logits of as many rows); past it, of prompts of `WARM_UP_CHUNK`.
+        Served, the first 2,048-token step took 447 ms of the worker's CPU against
+        222-264 for the ones after it, and the first wave's prompts waited behind it.
+        Neither the shared cache nor the checkpoint-gap histogram sees these steps."""
         if self.model.released or tokens <= 0:
             return
         cache = self.kv_cache
         layers, block_size = len(cache.keys), cache.block_size
         _, _, kv_heads, head_dim = cache.keys[0].shape
-        per_chunk = min(tokens, WARM_UP_CHUNK)
-        chunks, next_block = [], 0
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        for start in range(0, tokens, per_chunk):
-            length = min(per_chunk, tokens - start)
-            blocks = blocks_needed(length, block_size)
-            table = list(range(next_block, next_block + blocks))
-            next_block += blocks
-            chunks.append(ChunkInput([0] * length, 0, table, True, params, None))
+        steps: list[list[ChunkInput]] = []
+        most_blocks = 0
+        for rows in row_buckets(tokens):
+            per_chunk = 1 if rows <= BUCKET_SMALL_UNTIL else WARM_UP_CHUNK
+            chunks, next_block = [], 0
+            for start in range(0, rows, per_chunk):
+                length = min(per_chunk, rows - start)
+                blocks = blocks_needed(length, block_size)
+                table = list(range(next_block, next_block + blocks))
+                next_block += blocks
+                chunks.append(ChunkInput([0] * length, 0, table, True, params, None))
+            steps.append(chunks)
+            most_blocks = max(most_blocks, next_block)
         scratch = KVCache(
             num_layers=layers,
-            num_blocks=next_block,
+            num_blocks=most_blocks,
             block_size=block_size,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -154,7 +162,8 @@ class ModelRunner:
         )
         self.kv_cache, gaps, self.gaps = scratch, self.gaps, GapRecorder()
         try:
-            self.execute(StepInput(chunks, []), StepControl())
+            for chunks in steps:
+                self.execute(StepInput(chunks, []), StepControl())
         finally:
             self.kv_cache, self.gaps = cache, gaps
 

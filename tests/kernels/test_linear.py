@@ -104,3 +104,42 @@ def test_a_failing_prepacked_copy_falls_back_to_the_plain_one(
     x = torch.randn(WIDE_ROWS, 64).to(torch.bfloat16)
     expected = F.linear(x.float(), layers[0].weight.float(), layers[0].bias.float())
     assert torch.equal(layers[0](x), expected.to(torch.bfloat16))
+
+
+def test_row_buckets_cover_every_row_count_with_few_shapes() -> None:
+    """Every row count runs at a bucket at least as large, one of `row_buckets`: a few
+    dozen shapes for oneDNN to build instead of one a row count."""
+    up_to = 1_536
+    buckets = linear.row_buckets(up_to)
+    assert buckets == sorted(set(buckets)) and len(buckets) < 40
+    for rows in range(1, up_to + 1):
+        bucket = linear.bucket_rows(rows)
+        assert bucket >= rows and bucket in buckets
+        step = linear.BUCKET_SMALL if rows <= linear.BUCKET_SMALL_UNTIL else linear.BUCKET_LARGE
+        assert bucket - rows < step  # padded by less than one step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [3, 17, 257, 300])
+def test_a_prepacked_multiply_pads_its_rows_and_keeps_the_real_ones(
+    dtype: torch.dtype, rows: int
+) -> None:
+    """Rows padded up to a bucket change nothing: the output has the input's rows, they
+    match `F.linear`, and each equals the same row multiplied beside other rows (zeros
+    or not) in the same bucket."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    try:
+        packed = linear.reorder(weight)
+    except RuntimeError as exc:  # no oneDNN prepacking for this dtype on this CPU
+        pytest.skip(f"oneDNN cannot prepack {dtype}: {exc}")
+    bucket = linear.bucket_rows(rows)
+    assert bucket > rows
+    full = torch.randn(bucket, 64, generator=generator).to(dtype)
+    x = full[:rows]
+    ours = linear.prepacked(x, packed, bias)
+    assert ours.shape == (rows, 96) and ours.is_contiguous()
+    ref = F.linear(x.float(), weight.float(), bias.float())
+    assert torch.allclose(ours.float(), ref, rtol=2e-2, atol=5e-2)
+    assert torch.equal(ours, linear.prepacked(full, packed, bias)[:rows])

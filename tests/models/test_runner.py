@@ -177,7 +177,7 @@ def test_the_warm_up_step_leaves_the_cache_and_the_gaps_alone():
         cache.fill_(0.5)
     snapshot = [t.clone() for t in (*kv.keys, *kv.values)]
     gaps_before = runner.gaps.statistics().count
-    runner.warm_up(600)  # three prompts of 256, 256 and 88 tokens
+    runner.warm_up(600)  # a step per row bucket up to 600 rows
     assert runner.kv_cache is kv
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (*kv.keys, *kv.values), strict=True))
     assert runner.gaps.statistics().count == gaps_before
