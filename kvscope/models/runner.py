@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import attrs
 import torch
@@ -161,11 +162,18 @@ class ModelRunner:
             device=cache.keys[0].device,
         )
         self.kv_cache, gaps, self.gaps = scratch, self.gaps, GapRecorder()
+        started = time.perf_counter()
         try:
             for chunks in steps:
                 self.execute(StepInput(chunks, []), StepControl())
         finally:
             self.kv_cache, self.gaps = cache, gaps
+        log.info(
+            "warmed up %d row counts (up to %d rows) in %.1f s",
+            len(steps),
+            sum(len(chunk.token_ids) for chunk in steps[-1]),
+            time.perf_counter() - started,
+        )
 
     def release_model(self) -> None:
         """Free the model's weights: this runner cannot run a step again (a model
