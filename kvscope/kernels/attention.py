@@ -45,6 +45,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from .linear import empty_with_bucket_room
+
 log = logging.getLogger(__name__)
 
 #: torch's flash attention on the CPU runs chunks whose length is not a multiple of 16
@@ -249,7 +251,9 @@ def paged_attention(
         write_slots(key_cache, meta.slot_mapping, key)
         write_slots(value_cache, meta.slot_mapping, value)
 
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    out = empty_with_bucket_room(
+        num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device
+    )
     decode = decode_backend(query.device.type)
     if meta.num_decode:
         n = meta.num_decode

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_decode import DTYPES, cpu_kernel
+from .linear import empty_with_bucket_room
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,7 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     op = cpu_kernel().rms_norm_op
     if op is None or not _compiled(x) or weight.dtype != x.dtype:
         return torch_rms_norm(x, weight, eps)
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = empty_with_bucket_room(*x.shape, dtype=x.dtype, device=x.device)
     op(out, x, weight, eps)
     return out
 
@@ -59,7 +60,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         result = torch_silu_and_mul(x)
         return result if out is None else out.copy_(result)
     if out is None:
-        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        out = empty_with_bucket_room(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
     op(out, x)
     return out
 

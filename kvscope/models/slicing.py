@@ -45,7 +45,13 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels.fused import silu_and_mul
-from kvscope.kernels.linear import WIDE_ROWS, Linear, prepacked, reorder
+from kvscope.kernels.linear import (
+    WIDE_ROWS,
+    Linear,
+    empty_with_bucket_room,
+    prepacked,
+    reorder,
+)
 
 #: Rows of the second probe call (the first has one).
 PROBE_ROWS = 64
@@ -129,7 +135,9 @@ class LinearSlicer:
         first = 1 if checkpoint is None else self.pieces(gate_up, rows)
         paired = self._paired(gate_up, first) if first > 1 else None
         if paired is not None:
-            activation = torch.empty(rows, gate_up.out_features // 2, dtype=x.dtype)
+            activation = empty_with_bucket_room(
+                rows, gate_up.out_features // 2, dtype=x.dtype, device=x.device
+            )
             start = 0
             for index, piece in enumerate(paired):
                 if index:

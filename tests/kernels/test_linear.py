@@ -143,3 +143,39 @@ def test_a_prepacked_multiply_pads_its_rows_and_keeps_the_real_ones(
     ref = F.linear(x.float(), weight.float(), bias.float())
     assert torch.allclose(ours.float(), ref, rtol=2e-2, atol=5e-2)
     assert torch.equal(ours, linear.prepacked(full, packed, bias)[:rows])
+    # Without room in its storage, the rows are copied and padded with zeros: the same.
+    assert torch.equal(linear.prepacked(x.clone(), packed, bias), ours)
+
+
+def test_an_activation_with_bucket_room_is_a_view_of_zero_padded_rows() -> None:
+    """`empty_with_bucket_room` gives the asked shape, contiguous, over a storage of
+    `bucket_rows` rows whose extra rows are zero; off the CPU, no room is added."""
+    cpu = torch.device("cpu")
+    x = linear.empty_with_bucket_room(17, 4, 8, dtype=torch.bfloat16, device=cpu)
+    assert x.shape == (17, 4, 8) and x.is_contiguous()
+    padded = linear.bucket_rows(17)
+    assert x.untyped_storage().nbytes() == padded * 4 * 8 * x.element_size()
+    whole = x.as_strided((padded, 4, 8), x.stride())
+    assert not whole[17:].any()
+    exact = linear.empty_with_bucket_room(32, 8, dtype=torch.float32, device=cpu)
+    assert exact.untyped_storage().nbytes() == 32 * 8 * 4
+    meta = linear.empty_with_bucket_room(17, 8, dtype=torch.float32, device=torch.device("meta"))
+    assert meta.shape == (17, 8)
+
+
+def test_the_fused_ops_write_activations_with_bucket_room() -> None:
+    """`rms_norm` and `silu_and_mul` (the inputs of the linears) allocate their outputs
+    with room for their bucket's rows, so the linear after them copies nothing."""
+    from kvscope.kernels import fused
+    from kvscope.kernels.cpu_decode import cpu_kernel
+
+    kernel = cpu_kernel()
+    if not kernel.wait(600) or kernel.rms_norm_op is None or kernel.silu_and_mul_op is None:
+        pytest.skip("no compiled library on this machine")
+    rows = 17
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    room = linear.bucket_rows(rows)
+    normed = fused.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    activated = fused.silu_and_mul(torch.randn(rows, 128).to(torch.bfloat16))
+    for out in (normed, activated):
+        assert out.untyped_storage().nbytes() >= room * out.shape[1] * out.element_size()
