@@ -91,6 +91,10 @@ class StepControl:
 _DEFAULT_GAP = EngineConfig().checkpoint_gap  # one place for the default
 #: The prompt length `ModelRunner.warm_up` cuts its step into (its rows are what count).
 WARM_UP_CHUNK = 256
+#: Most rows `ModelRunner.warm_up` builds kernels for: 44 buckets, ~3 s on the 2-core
+#: machine for the reference model. A bigger step budget's buckets are built when first
+#: met (~30 ms each), rather than holding the worker back for minutes.
+WARM_UP_MOST_ROWS = 2048
 
 
 class ModelRunner:
@@ -124,7 +128,8 @@ class ModelRunner:
         return 0 if self.model.released else self._model_bytes
 
     def warm_up(self, tokens: int) -> None:
-        """Run one step for each row bucket of up to `tokens` rows (`linear.row_buckets`)
+        """Run one step for each row bucket of up to `tokens` rows (`linear.row_buckets`;
+        `WARM_UP_MOST_ROWS` at most)
         on a scratch cache, then forget it, so that every kernel a step can need is built
         before the first real step: oneDNN generates its kernels for a row count the
         first time it meets it (slowly again the second time), and the slicer prepacks
@@ -141,7 +146,7 @@ class ModelRunner:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         steps: list[list[ChunkInput]] = []
         most_blocks = 0
-        for rows in row_buckets(tokens):
+        for rows in row_buckets(min(tokens, WARM_UP_MOST_ROWS)):
             per_chunk = 1 if rows <= BUCKET_SMALL_UNTIL else WARM_UP_CHUNK
             chunks, next_block = [], 0
             for start in range(0, rows, per_chunk):

@@ -182,3 +182,17 @@ def test_the_warm_up_step_leaves_the_cache_and_the_gaps_alone():
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (*kv.keys, *kv.values), strict=True))
     assert runner.gaps.statistics().count == gaps_before
     assert runner.execute(StepInput(chunks(), []), StepControl()) == before
+
+
+def test_the_warm_up_builds_every_row_bucket_up_to_its_cap(caplog, monkeypatch):
+    """`warm_up` runs one step per row bucket, up to `WARM_UP_MOST_ROWS` rows however big
+    the budget asked for, and says so."""
+    from kvscope.kernels.linear import row_buckets
+    from kvscope.models import runner as runner_module
+
+    runner = make_runner()
+    monkeypatch.setattr(runner_module, "WARM_UP_MOST_ROWS", 300)
+    with caplog.at_level("INFO", logger="kvscope.models.runner"):
+        runner.warm_up(10_000)
+    buckets = row_buckets(300)
+    assert f"warmed up {len(buckets)} row counts (up to {buckets[-1]} rows)" in caplog.text
