@@ -26,16 +26,16 @@ step's linears of the reference model at one row, 2 threads: 2.2 against 3.0 ms
 (docs/benchmarks/README.md, session 18).
 
 A prepacked multiply's rows are rounded up to a bucket (`bucket_rows`) and only the real
-rows' outputs kept; the added rows are read from the input's storage where it goes on
-that far (the forward's activations are allocated so, `empty_with_bucket_room`: no copy;
-an in-process step of 1,507 rows, two alternating runs, median 78.0-79.6 ms against
-78.6-82.9 with a copy a multiply and 77.3-77.9 unpadded), else from a zeroed copy. oneDNN builds (JIT-compiles) its kernels
-for each row count the first time it meets it, and the second call is as slow again, so
-a step with a new count (a new mix of decode rows and prompts) paid ~15 ms a layer twice
-over (the four linear shapes of the reference model at ~1,540 rows: 17-23 ms the first
-two calls, 4.1-4.8 after). Buckets bound the row counts to a few dozen, which the model
-worker builds before it serves (`ModelRunner.warm_up`). A row's output does not depend
-on the rows beside it.
+rows' outputs kept: oneDNN builds (JIT-compiles) its kernels for each row count the
+first time it meets it, and the second call is as slow again, so a step with a new
+count (a new mix of decode rows and prompts) paid ~15 ms a layer twice over (the four
+linear shapes of the reference model at ~1,540 rows: 17-23 ms the first two calls,
+4.1-4.8 after). Buckets bound the row counts to a few dozen, which the model worker
+builds before it serves (`ModelRunner.warm_up`). A row's output does not depend on the
+rows beside it, so the added rows are read from the input's storage where it goes on
+that far (the forward's activations are allocated so, `empty_with_bucket_room`), else
+from a zeroed copy. An in-process step of 1,507 rows, two alternating runs: median
+78.0-79.6 ms in place, 78.6-82.9 with a copy a multiply, 77.3-77.9 unpadded.
 
 Every fast layout is checked once, at `plan` time, against `F.linear` on random rows
 within `TOLERANCE`; one that does not hold is dropped with a log line, and the next

@@ -128,10 +128,9 @@ class ModelRunner:
         return 0 if self.model.released else self._model_bytes
 
     def warm_up(self, tokens: int) -> None:
-        """Run one step for each row bucket of up to `tokens` rows (`linear.row_buckets`;
-        `WARM_UP_MOST_ROWS` at most)
-        on a scratch cache, then forget it, so that every kernel a step can need is built
-        before the first real step: oneDNN generates its kernels for a row count the
+        """Run one step for each row bucket of up to `tokens` rows (`linear.row_buckets`,
+        `WARM_UP_MOST_ROWS` at most) on a scratch cache, then forget it, so that every
+        kernel a step can need is built before the first real step: oneDNN generates its kernels for a row count the
         first time it meets it (slowly again the second time), and the slicer prepacks
         its pieces. Up to `BUCKET_SMALL_UNTIL` rows a step is of one-token rows (decode
         steps, and the logits of as many rows); past it, of prompts of `WARM_UP_CHUNK`.
@@ -146,7 +145,8 @@ class ModelRunner:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         steps: list[list[ChunkInput]] = []
         most_blocks = 0
-        for rows in row_buckets(min(tokens, WARM_UP_MOST_ROWS)):
+        buckets = row_buckets(min(tokens, WARM_UP_MOST_ROWS))
+        for rows in buckets:
             per_chunk = 1 if rows <= BUCKET_SMALL_UNTIL else WARM_UP_CHUNK
             chunks, next_block = [], 0
             for start in range(0, rows, per_chunk):
@@ -175,8 +175,8 @@ class ModelRunner:
             self.kv_cache, self.gaps = cache, gaps
         log.info(
             "warmed up %d row counts (up to %d rows) in %.1f s",
-            len(steps),
-            sum(len(chunk.token_ids) for chunk in steps[-1]),
+            len(buckets),
+            buckets[-1],
             time.perf_counter() - started,
         )
 
