@@ -24,6 +24,8 @@ from anyio.abc import TaskGroup
 
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
 from kvscope.kernels.guided import GuideCompiler
+from kvscope.models.runner import ModelRunner
+from kvscope.models.warm_up import WarmUp
 from kvscope.models.worker import ProcessRunner
 from kvscope.params import SamplingParams
 
@@ -59,7 +61,17 @@ class Engine:
         #: Called after each step with (start time, forward seconds, batch size).
         self.step_listeners: list[Callable[[float, float, int], None]] = []
         self.step = StepActor(
-            self.scheduler, self.runner, self.pool, debug=config.debug, on_step=self._after_step
+            self.scheduler,
+            self.runner,
+            self.pool,
+            debug=config.debug,
+            on_step=self._after_step,
+            # the thread worker's; a model worker process warms up before it is ready
+            warm_up=(
+                WarmUp(self.runner, config.max_num_batched_tokens)
+                if isinstance(self.runner, ModelRunner)
+                else None
+            ),
         )
         self.audit = AuditLog(config.audit_log)
         self._actors = Actors(self.scheduler, self.step, self.registry, self.audit, self.ledger)
@@ -291,6 +303,9 @@ class Engine:
             # The model worker process (0 and 0 with worker="thread").
             "worker_pid": getattr(self.runner, "pid", None) or 0,
             "worker_restarts": getattr(self.runner, "restarts", 0),
+            # Row buckets the thread worker's idle warm-up has still to build (0 once
+            # done, and with a model worker process, which warms up before it is ready).
+            "warm_up_pending": 0 if self.step.warm_up is None else len(self.step.warm_up.pending),
             # The memory this process's copy of the model holds: 0 once a model worker
             # process has taken over (it holds its own).
             "model_bytes": self.runner.model_bytes,

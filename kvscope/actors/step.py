@@ -16,7 +16,9 @@ returns: the cancel never waits for the forward. That is safe because blocks are
 handed out only by `Scheduler.schedule`, which this actor calls between steps, never
 while a forward runs: the pool is fenced for the step (`BlockPool.fence`), like a
 device allocator whose frees are ordered before the next kernel that could reuse the
-memory. Idle, the actor sleeps on a wake-up event. The readers of a step's tokens are
+memory. Idle, the actor runs the thread worker's warm-up steps one at a time
+(`models/warm_up.py`; a wake-up stops the running one at its next checkpoint), then
+sleeps on a wake-up event. The readers of a step's tokens are
 woken a group at a time by `ReaderWakeups`, a task of its own, while the next forward
 runs.
 """
@@ -35,6 +37,7 @@ from kvscope.cache.block_table import blocks_needed
 from kvscope.kernels.sampling import Sampled
 from kvscope.models.llama import StepAborted
 from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
+from kvscope.models.warm_up import WarmUp
 from kvscope.models.worker import ProcessRunner
 
 from .messages import StepStatistics
@@ -54,6 +57,7 @@ class StepActor:
         *,
         debug: bool = False,
         on_step: Callable[[float, float, int], None] | None = None,
+        warm_up: WarmUp | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -68,6 +72,8 @@ class StepActor:
         self._pins: list[list[int] | None] = []
         self._limiter = anyio.CapacityLimiter(1)
         self._on_step = on_step
+        self.warm_up = warm_up  # run while idle (the thread worker's; None otherwise)
+        self._warming = False
         #: Called in the model's thread right before each forward (a test may hold a
         #: step in flight there).
         self.before_forward: list[Callable[[], None]] = []
@@ -77,6 +83,8 @@ class StepActor:
 
     def wake(self) -> None:
         self._wakeup.set()
+        if self._warming:
+            self.control.abort.set()  # the warm-up gives way at its next checkpoint
 
     def stop_forward(self) -> None:
         """Stop the running forward at its next checkpoint (shutdown)."""
@@ -137,6 +145,10 @@ class StepActor:
             # us) has yet to run.
             if self.debug and step is None:
                 self.pool.check_integrity()
+            if step is None and self.warm_up is not None and not self.warm_up.done:
+                if not self._wakeup.is_set():
+                    await self._warm_up_once()
+                    continue
             await self._wakeup.wait()
             self._wakeup = anyio.Event()
 
@@ -174,6 +186,18 @@ class StepActor:
         self._deliver(live, tokens, failure)
         if self._on_step is not None:
             self._on_step(started, forward_seconds, len(live))
+
+    async def _warm_up_once(self) -> None:
+        """Run the next warm-up step in the model thread; a wake-up stops it."""
+        assert self.warm_up is not None
+        self.control.reset()
+        self._warming = True
+        try:
+            await anyio.to_thread.run_sync(
+                self.warm_up.run_next, self.control, limiter=self._limiter
+            )
+        finally:
+            self._warming = False
 
     def _deliver(
         self,

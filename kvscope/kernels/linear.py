@@ -30,8 +30,8 @@ rows' outputs kept: oneDNN builds (JIT-compiles) its kernels for each row count 
 first time it meets it, and the second call is as slow again, so a step with a new
 count (a new mix of decode rows and prompts) paid ~15 ms a layer twice over (the four
 linear shapes of the reference model at ~1,540 rows: 17-23 ms the first two calls,
-4.1-4.8 after). Buckets bound the row counts to a few dozen, which the model worker
-builds before it serves (`ModelRunner.warm_up`). A row's output does not depend on the
+4.1-4.8 after). Buckets bound the row counts to a few dozen, which are built before
+the steps need them (`models/warm_up.py`). A row's output does not depend on the
 rows beside it, so the added rows are read from the input's storage where it goes on
 that far (the forward's activations are allocated so, `empty_with_bucket_room`), else
 from a zeroed copy. An in-process step of 1,507 rows, two alternating runs: median
@@ -99,6 +99,11 @@ class Linear:
         if self.wide is not None and rows >= WIDE_ROWS:
             return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def in_buckets(self) -> bool:
+        """Whether some of its multiplies run at a row bucket (`prepacked`)."""
+        return self.packed is not None or self.wide_packed is not None
 
     def layout(self) -> str:
         if self.packed is not None:

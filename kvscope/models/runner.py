@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import attrs
 import torch
 
-from kvscope.cache.block_table import blocks_needed
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
-from kvscope.kernels.linear import BUCKET_SMALL_UNTIL, row_buckets
 from kvscope.kernels.sampling import RowState, Sampled, sample
 from kvscope.params import SamplingParams
 from kvscope.scheduling import as_model_thread
@@ -89,12 +86,6 @@ class StepControl:
 
 
 _DEFAULT_GAP = EngineConfig().checkpoint_gap  # one place for the default
-#: The prompt length `ModelRunner.warm_up` cuts its step into (its rows are what count).
-WARM_UP_CHUNK = 256
-#: Most rows `ModelRunner.warm_up` builds kernels for: 44 buckets, ~3 s on the 2-core
-#: machine for the reference model. A bigger step budget's buckets are built when first
-#: met (~30 ms each), rather than holding the worker back for minutes.
-WARM_UP_MOST_ROWS = 2048
 
 
 class ModelRunner:
@@ -127,59 +118,6 @@ class ModelRunner:
         """The memory this runner's model holds (0 once released)."""
         return 0 if self.model.released else self._model_bytes
 
-    def warm_up(self, tokens: int) -> None:
-        """Run one step for each row bucket of up to `tokens` rows (`linear.row_buckets`,
-        `WARM_UP_MOST_ROWS` at most) on a scratch cache, then forget it, so that every
-        kernel a step can need is built before the first real step: oneDNN generates its kernels for a row count the
-        first time it meets it (slowly again the second time), and the slicer prepacks
-        its pieces. Up to `BUCKET_SMALL_UNTIL` rows a step is of one-token rows (decode
-        steps, and the logits of as many rows); past it, of prompts of `WARM_UP_CHUNK`.
-        Served, the first 2,048-token step took 447 ms of the worker's CPU against
-        222-264 for the ones after it, and the first wave's prompts waited behind it.
-        Neither the shared cache nor the checkpoint-gap histogram sees these steps."""
-        if self.model.released or tokens <= 0:
-            return
-        cache = self.kv_cache
-        layers, block_size = len(cache.keys), cache.block_size
-        _, _, kv_heads, head_dim = cache.keys[0].shape
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        steps: list[list[ChunkInput]] = []
-        most_blocks = 0
-        buckets = row_buckets(min(tokens, WARM_UP_MOST_ROWS))
-        for rows in buckets:
-            per_chunk = 1 if rows <= BUCKET_SMALL_UNTIL else WARM_UP_CHUNK
-            chunks, next_block = [], 0
-            for start in range(0, rows, per_chunk):
-                length = min(per_chunk, rows - start)
-                blocks = blocks_needed(length, block_size)
-                table = list(range(next_block, next_block + blocks))
-                next_block += blocks
-                chunks.append(ChunkInput([0] * length, 0, table, True, params, None))
-            steps.append(chunks)
-            most_blocks = max(most_blocks, next_block)
-        scratch = KVCache(
-            num_layers=layers,
-            num_blocks=most_blocks,
-            block_size=block_size,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=cache.keys[0].dtype,
-            device=cache.keys[0].device,
-        )
-        self.kv_cache, gaps, self.gaps = scratch, self.gaps, GapRecorder()
-        started = time.perf_counter()
-        try:
-            for chunks in steps:
-                self.execute(StepInput(chunks, []), StepControl())
-        finally:
-            self.kv_cache, self.gaps = cache, gaps
-        log.info(
-            "warmed up %d row counts (up to %d rows) in %.1f s",
-            len(buckets),
-            buckets[-1],
-            time.perf_counter() - started,
-        )
-
     def release_model(self) -> None:
         """Free the model's weights: this runner cannot run a step again (a model
         worker process runs them with its own copy)."""
@@ -194,9 +132,16 @@ class ModelRunner:
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         """Run one step; returns the sampled token of each chunk (None if it samples
         none or was dropped)."""
+        return self.execute_on(self.kv_cache, self.gaps, step, control)
+
+    def execute_on(
+        self, cache: KVCache, gaps: GapRecorder, step: StepInput, control: StepControl | None
+    ) -> list[Sampled | None]:
+        """`execute` on `cache` (the warm-up's scratch cache, `models/warm_up.py`),
+        counting the checkpoint gaps in `gaps`."""
         as_model_thread()  # this thread and the torch threads it starts
         with torch.inference_mode():
-            self.kv_cache.copy_blocks(step.copies)
+            cache.copy_blocks(step.copies)
             chunks = step.chunks
             input_ids: list[int] = []
             positions: list[int] = []
@@ -204,16 +149,16 @@ class ModelRunner:
                 input_ids.extend(chunk.token_ids)
                 positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
             live = list(range(len(chunks)))
-            pruner = None if control is None else _Pruner(self, chunks, live, control)
+            pruner = None if control is None else _Pruner(self, chunks, live, control, gaps)
             slicer = self.slicer if pruner is not None else None
             if pruner is not None:
-                self.gaps.start()
+                gaps.start()
             try:
                 hidden = self.model.forward(
                     torch.tensor(input_ids, device=self.device),
                     torch.tensor(positions, device=self.device),
                     self.metadata(chunks, live),
-                    self.kv_cache,
+                    cache,
                     pruner,
                     slicer,
                 )
@@ -221,7 +166,7 @@ class ModelRunner:
                 return self._sample(chunks, live, list(in_batch), hidden, pruner, slicer)
             finally:
                 if pruner is not None:
-                    self.gaps.end()
+                    gaps.end()
 
     def _sample(
         self,
@@ -270,16 +215,22 @@ class _Pruner:
     """The forward's `checkpoint` hook: drops the rows of cancelled chunks."""
 
     def __init__(
-        self, runner: ModelRunner, chunks: list[ChunkInput], live: list[int], control: StepControl
+        self,
+        runner: ModelRunner,
+        chunks: list[ChunkInput],
+        live: list[int],
+        control: StepControl,
+        gaps: GapRecorder,
     ) -> None:
         self.runner = runner
+        self.gaps = gaps
         self.chunks = chunks
         self.live = live  # the chunks still wanted; shared with `execute`, which samples them
         self.in_batch = list(live)  # the chunks whose rows the batch holds, in order
         self.control = control
 
     def __call__(self, batch: LayerBatch | None) -> None:
-        self.runner.gaps.mark()
+        self.gaps.mark()
         if self.control.abort.is_set():
             raise StepAborted
         cancelled = self.control.take_cancelled()

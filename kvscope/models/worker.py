@@ -57,6 +57,7 @@ from .loader import load_model
 from .loop_pipe import LoopPipe
 from .runner import ChunkInput, ModelRunner, StepControl, StepInput
 from .step_wire import StepDecoder, StepEncoder, decode_answer, encode_answer
+from .warm_up import warm_up_now
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class WorkerSpec:
     threads: int | None
     checkpoint_gap: float
     nice: int = 0
-    #: Tokens of the step the worker runs before it is ready (`ModelRunner.warm_up`).
+    #: The step budget the worker warms up for before it is ready (`models/warm_up.py`).
     warm_up_tokens: int = 0
 
 
@@ -240,7 +241,7 @@ def worker_main(
         )
         runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
         kv_cache.map_in()
-        runner.warm_up(spec.warm_up_tokens)  # the engine serves meanwhile
+        warm_up_now(runner, spec.warm_up_tokens)  # the engine serves meanwhile
         control = WorkerControl(flags.numpy())
     except Exception as exc:
         conn.send(("failed", f"{exc!r}"))

@@ -186,6 +186,10 @@ class Stats(BaseModel):
     tasks: int = Field(description="request tasks running now: 0 when nothing leaked")
     worker_pid: int = Field(description="the model worker process (0 with worker=thread)")
     worker_restarts: int
+    warm_up_pending: int = Field(
+        description="row buckets the thread worker's idle warm-up has still to build"
+        " (0 once done, and with worker=process)"
+    )
     model_bytes: int = Field(
         description="the memory this process's copy of the model holds (0 once a model worker"
         " process has taken over)"

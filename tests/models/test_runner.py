@@ -15,8 +15,8 @@ from kvscope.params import SamplingParams
 GREEDY = SamplingParams(temperature=0)
 
 
-def make_runner() -> ModelRunner:
-    loaded = tiny_random(device=torch.device("cpu"), dtype=torch.float32, seed=3)
+def make_runner(dtype: torch.dtype = torch.float32) -> ModelRunner:
+    loaded = tiny_random(device=torch.device("cpu"), dtype=dtype, seed=3)
     c = loaded.config
     kv = KVCache(
         num_layers=c.num_layers,
@@ -24,7 +24,7 @@ def make_runner() -> ModelRunner:
         block_size=4,
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
     )
     return ModelRunner(loaded.model, kv)
@@ -164,35 +164,3 @@ def test_gaps_are_counted_for_an_aborted_step_too():
     with pytest.raises(StepAborted):
         runner.execute(StepInput(chunks(), []), control)
     assert runner.gaps.statistics().count == 2  # start -> first checkpoint -> end
-
-
-def test_the_warm_up_step_leaves_the_cache_and_the_gaps_alone():
-    """`warm_up` runs a full step's rows on a scratch cache: the shared cache keeps its
-    contents, the checkpoint-gap histogram counts nothing, and the runner's steps give
-    the tokens they gave before it."""
-    runner = make_runner()
-    before = runner.execute(StepInput(chunks(), []), StepControl())
-    kv = runner.kv_cache
-    for cache in (*kv.keys, *kv.values):
-        cache.fill_(0.5)
-    snapshot = [t.clone() for t in (*kv.keys, *kv.values)]
-    gaps_before = runner.gaps.statistics().count
-    runner.warm_up(600)  # a step per row bucket up to 600 rows
-    assert runner.kv_cache is kv
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, (*kv.keys, *kv.values), strict=True))
-    assert runner.gaps.statistics().count == gaps_before
-    assert runner.execute(StepInput(chunks(), []), StepControl()) == before
-
-
-def test_the_warm_up_builds_every_row_bucket_up_to_its_cap(caplog, monkeypatch):
-    """`warm_up` runs one step per row bucket, up to `WARM_UP_MOST_ROWS` rows however big
-    the budget asked for, and says so."""
-    from kvscope.kernels.linear import row_buckets
-    from kvscope.models import runner as runner_module
-
-    runner = make_runner()
-    monkeypatch.setattr(runner_module, "WARM_UP_MOST_ROWS", 300)
-    with caplog.at_level("INFO", logger="kvscope.models.runner"):
-        runner.warm_up(10_000)
-    buckets = row_buckets(300)
-    assert f"warmed up {len(buckets)} row counts (up to {buckets[-1]} rows)" in caplog.text

@@ -9,8 +9,10 @@ process, multiprocessing's resource tracker): none, where the server cleans up.
 
 A server answers before it is fully up: `kvscope serve --worker process` serves its
 first steps in its own process while the model worker loads (the cold start is timed
-that way, as a user meets it). `Server.settled()` waits for the rest, so that a figure
-said to be the process worker's is the process worker's.
+that way, as a user meets it), and `--worker thread` builds its row buckets while idle
+(`models/warm_up.py`). `Server.settled()` waits for the rest, so that a figure said to
+be the process worker's is the process worker's, and no warm-up step runs in a
+measured round.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def kvscope_server(
         port=port,
         log_path=log_path,
         start_timeout=180,
-        settle=wait_for_worker if worker == "process" else None,
+        settle=wait_for_worker if worker == "process" else wait_for_warm_up,
     )
 
 
@@ -194,4 +196,11 @@ async def wait_for_worker(base_url: str, timeout: float = 300) -> None:
     """Wait until `GET /stats` says the model worker process is ready (`worker_pid` set)."""
     await wait_ready(
         base_url, "/stats", timeout, accept=lambda stats: bool(stats.get("worker_pid"))
+    )
+
+
+async def wait_for_warm_up(base_url: str, timeout: float = 300) -> None:
+    """Wait until `GET /stats` says the thread worker's warm-up is done."""
+    await wait_ready(
+        base_url, "/stats", timeout, accept=lambda stats: stats.get("warm_up_pending") == 0
     )

@@ -88,7 +88,8 @@ def servers_table(r: ThroughputResult) -> list[str]:
     return [
         "",
         "Servers: seconds from spawning to answering, to the first token, and to being fully "
-        "up (the model worker process ready; the levels wait for it); load average around "
+        "up (the model worker process ready, or the thread worker warmed up; the levels wait "
+        "for it); load average around "
         "the phase; the server's children still there once it exited on SIGTERM",
         "",
         table(headers, rows),
