@@ -62,8 +62,8 @@ class EngineRun(Record):
 class ColdStart(Record):
     """Seconds from spawning the server to its answering, to its first token, and (a
     server that finishes starting while it serves, as `kvscope serve` does: its model
-    worker process, or the thread worker's warm-up) to its being fully up, which the levels wait for; None where nothing is left
-    to wait for."""
+    worker process, or the thread worker's warm-up) to its being fully up, which the
+    levels wait for; None where nothing is left to wait for."""
 
     ready_s: float
     first_token_s: float

@@ -89,8 +89,8 @@ def servers_table(r: ThroughputResult) -> list[str]:
         "",
         "Servers: seconds from spawning to answering, to the first token, and to being fully "
         "up (the model worker process ready, or the thread worker warmed up; the levels wait "
-        "for it); load average around "
-        "the phase; the server's children still there once it exited on SIGTERM",
+        "for it); load average around the phase; the server's children still there once it "
+        "exited on SIGTERM",
         "",
         table(headers, rows),
     ]
