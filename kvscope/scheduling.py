@@ -24,21 +24,56 @@ slice, so a thread that runs the forward takes the batch policy before its first
 and before it starts torch's threads, which inherit it; the model worker process sets
 it on every thread it has when it starts (`every_thread_as_model_thread`).
 
+Short slices still leave the loop to the tick once it has run past its slice: a
+model thread the tick picks keeps the CPU until the next tick (4 ms at 250 Hz), and
+with the model on every core a loop pass cut that way took 4.2-4.7 ms (30-55 passes in
+a `bench cancel` round, process worker, 2 threads). So where the OS allows it
+(CAP_SYS_NICE, or an RLIMIT_RTPRIO of at least the priority) the loop's thread also
+asks for the real-time policy SCHED_FIFO at `LOOP_PRIORITY`, the lowest
+(`ask_for_realtime`): no thread of the default policies then takes its CPU, and it
+runs the moment it wakes. It mostly waits, so it takes little; the kernel keeps 5 % of
+each second for the other policies whatever it does (`sched_rt_runtime_us`). Its
+children, threads and processes, start under the default policy
+(SCHED_RESET_ON_FORK). A loop kept busy (a model so fast that the loop's own work is
+the bottleneck, a flood of requests) would take its core from every other thread of
+the machine, the model's included, so `RealtimeLoop` holds the policy only while the
+loop uses at most `REALTIME_MOST_BUSY` of its core, and takes it back once the loop is
+under `REALTIME_RESUME_BUSY` again. The same round with and without: 1-3 passes over 3 ms against
+28-42, a loop-lag p99 of 0.9-1.3 against 4.3-6.8 ms (docs/benchmarks/README.md,
+session 21).
+
 Elsewhere (not Linux, a kernel before 6.12 for the slices, a seccomp filter that
-refuses the call) nothing changes, and `ask_for_short_slices` says why.
+refuses the call, no privilege for the real-time policy) nothing changes, and
+`ask_for_short_slices` and `ask_for_realtime` say why.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import platform
 import struct
 import threading
+import time
+
+import anyio
+
+log = logging.getLogger("kvscope.web")
 
 #: The slice the event loop's thread asks for, in seconds (the kernel's shortest).
 LOOP_SLICE = 0.0001
+#: The SCHED_FIFO priority the event loop's thread asks for (the lowest real-time one:
+#: above every thread of the default policies, below the kernel's own real-time ones).
+LOOP_PRIORITY = 1
+#: The share of its core the event loop's thread may use, over `REALTIME_WINDOW`, and
+#: keep the real-time policy (at 32 streams of the reference model it used ~0.17)...
+REALTIME_MOST_BUSY = 0.5
+#: ...and the share it must fall under, over a window, to take the policy back.
+REALTIME_RESUME_BUSY = 0.25
+#: Seconds over which the loop's share of its core is measured.
+REALTIME_WINDOW = 1.0
 
 _SCHED_OTHER = 0
 _SCHED_BATCH = 3
@@ -107,6 +142,72 @@ def _set_attr(tid: int, policy: int, runtime_ns: int) -> int:
 def ask_for_short_slices(seconds: float = LOOP_SLICE) -> str | None:
     """(the event loop's thread) Ask for short slices; None if granted, else why not."""
     return set_slice(seconds)
+
+
+def ask_for_realtime(priority: int = LOOP_PRIORITY) -> str | None:
+    """(the event loop's thread) Run under SCHED_FIFO at `priority`, the threads and
+    processes it starts under the default policy; None if granted, else why not."""
+    policy = getattr(os, "SCHED_FIFO", None)
+    reset_on_fork = getattr(os, "SCHED_RESET_ON_FORK", None)
+    if policy is None or reset_on_fork is None:
+        return f"no SCHED_FIFO on {platform.system()}"
+    try:
+        os.sched_setscheduler(0, policy | reset_on_fork, os.sched_param(priority))
+    except OSError as error:
+        why = f"sched_setscheduler failed: {error.strerror}"
+        if error.errno == errno.EPERM:
+            why += " (it needs CAP_SYS_NICE or an RLIMIT_RTPRIO of at least the priority)"
+        return why
+    return None
+
+
+def leave_realtime(slice_seconds: float | None) -> None:
+    """(a thread under SCHED_FIFO) Back to the default policy, with a slice of
+    `slice_seconds` where the kernel has per-thread slices."""
+    if set_slice(slice_seconds) is not None:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+class RealtimeLoop:
+    """The event loop thread's real-time policy, held while the loop leaves most of its
+    core to other threads (`hold`, a task of the loop, measures its share each window).
+    """
+
+    def __init__(self, priority: int, slice_seconds: float | None) -> None:
+        self.priority = priority
+        self.slice_seconds = slice_seconds
+        self.realtime = False
+
+    def start(self) -> str | None:
+        """Ask for the policy; None if granted, else why not."""
+        why_not = ask_for_realtime(self.priority)
+        self.realtime = why_not is None
+        return why_not
+
+    def observe(self, busy: float) -> str | None:
+        """After a window in which the loop used `busy` of a core: leave the policy or
+        take it back; what changed (None: nothing)."""
+        if self.realtime and busy > REALTIME_MOST_BUSY:
+            leave_realtime(self.slice_seconds)
+            self.realtime = False
+            return (
+                f"busy {busy:.0%} of a core: off the real-time policy "
+                f"until under {REALTIME_RESUME_BUSY:.0%}"
+            )
+        if not self.realtime and busy < REALTIME_RESUME_BUSY and self.start() is None:
+            return f"busy {busy:.0%} of a core: real-time priority {self.priority} again"
+        return None
+
+    async def hold(self, window: float = REALTIME_WINDOW) -> None:
+        """Forever (on the loop's thread): each `window`, `observe` the loop's share."""
+        wall, cpu = time.monotonic(), time.thread_time()
+        while True:
+            await anyio.sleep(window)
+            now, used = time.monotonic(), time.thread_time()
+            change = self.observe((used - cpu) / max(now - wall, 1e-9))
+            wall, cpu = now, used
+            if change is not None:
+                log.info("event loop thread: %s", change)
 
 
 def as_model_thread() -> None:

@@ -1,11 +1,16 @@
 """Shared test fixtures: both anyio backends, and engines on the tiny random model.
 
 Every engine a test opens is checked on close: no KV block in use, the pool's
-invariants hold, no request task left.
+invariants hold, no request task left. Also whether this process may run a thread
+real-time, and how to start a child that may not (`kvscope.scheduling`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import resource
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvscope import Engine
+from kvscope.scheduling import ask_for_realtime
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -94,3 +100,29 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("kvscope figures")
         for line in REPORT_LINES:
             terminalreporter.write_line(line)
+
+
+def realtime_refusal() -> str | None:
+    """Why this process may not run a thread under SCHED_FIFO (None: it may), asked
+    from a thread of its own, which ends with the policy."""
+    out: list[str | None] = []
+    thread = threading.Thread(target=lambda: out.append(ask_for_realtime()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def without_realtime() -> None:
+    """`preexec_fn` of a child that must not get the real-time policy: an RLIMIT_RTPRIO
+    of 0 and, where this process may drop it, no CAP_SYS_NICE from the `exec` on."""
+    resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
+    ctypes.CDLL(None).prctl(24, 23, 0, 0, 0)  # PR_CAPBSET_DROP, CAP_SYS_NICE
+
+
+def thread_policy(tid: int = 0) -> int | None:
+    """Thread `tid`'s scheduling policy (0: the calling thread), without the
+    reset-on-fork flag; None if it has ended."""
+    try:
+        return os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK
+    except ProcessLookupError:
+        return None

@@ -21,6 +21,7 @@ from pathlib import Path
 import anyio
 
 from kvscope.options import add_engine_arguments, engine_kwargs
+from kvscope.scheduling import LOOP_PRIORITY
 
 from .server import Server
 from .settings import ServerSettings
@@ -65,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
     )
+    group.add_argument(
+        "--loop-priority",
+        type=int,
+        default=LOOP_PRIORITY,
+        help="the event loop thread's real-time (SCHED_FIFO) priority, 1-99, where the OS "
+        "allows it (CAP_SYS_NICE or RLIMIT_RTPRIO); 0: none",
+    )
     replicas = parser.add_argument_group("replicas on Ray Serve (pip install 'kvscope[ray]')")
     replicas.add_argument(
         "--replicas", type=int, default=0, help="serve N engine replicas through Ray Serve"
@@ -100,6 +108,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         api_keys=keys,
         max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout,
+        loop_priority=args.loop_priority,
     )
 
 

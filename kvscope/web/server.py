@@ -27,7 +27,7 @@ from anyio.abc import TaskStatus
 from hypercorn.config import Config as HypercornConfig
 
 from kvscope import Engine
-from kvscope.scheduling import ask_for_short_slices
+from kvscope.scheduling import RealtimeLoop, ask_for_short_slices
 
 from .app import create_app
 from .context import ServerContext
@@ -91,10 +91,12 @@ class Server:
             # server: keep it out of the cyclic collector's full passes, which grow
             # with the heap and stall the event loop (seen: 100-300 ms in a big heap).
             gc.freeze()
-            self._ask_for_short_slices()
+            realtime = self._ask_for_the_cpu()
             ctx: ServerContext = app.extensions["kvscope"]
             async with anyio.create_task_group() as tg:
                 tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
+                if realtime is not None:
+                    tg.start_soon(realtime.hold)
                 tg.start_soon(self._shutdown_when_asked, ctx)
                 if self.handle_signals:
                     await tg.start(self._watch_signals)
@@ -112,17 +114,27 @@ class Server:
                 tg.cancel_scope.cancel()
             log.info("kvscope stopped serving; closing the engine")
 
-    def _ask_for_short_slices(self) -> None:
-        """The loop's thread asks the scheduler for short slices (`kvscope.scheduling`),
-        once the engine is up: the model's threads started before keep the default."""
-        seconds = self.settings.loop_slice
-        if seconds is None:
-            return
-        why_not = ask_for_short_slices(seconds)
-        if why_not is None:
-            log.info("event loop thread: %.1f ms scheduler slices", seconds * 1e3)
-        else:
-            log.info("event loop thread: the scheduler's default slices (%s)", why_not)
+    def _ask_for_the_cpu(self) -> RealtimeLoop | None:
+        """The loop's thread asks the scheduler for short slices and, where the OS allows
+        it, a real-time priority (`kvscope.scheduling`), once the engine is up: the
+        model's threads, started before, keep theirs. The `RealtimeLoop` to hold, if
+        granted."""
+        seconds, priority = self.settings.loop_slice, self.settings.loop_priority
+        if seconds is not None:
+            why_not = ask_for_short_slices(seconds)
+            if why_not is None:
+                log.info("event loop thread: %.1f ms scheduler slices", seconds * 1e3)
+            else:
+                log.info("event loop thread: the scheduler's default slices (%s)", why_not)
+        if not priority:
+            return None
+        realtime = RealtimeLoop(priority, seconds)
+        why_not = realtime.start()
+        if why_not is not None:
+            log.info("event loop thread: no real-time priority (%s)", why_not)
+            return None
+        log.info("event loop thread: real-time priority %d (SCHED_FIFO)", priority)
+        return realtime
 
     def request_shutdown(self) -> None:
         """Begin the graceful shutdown (call from the server's event loop)."""

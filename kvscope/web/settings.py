@@ -13,7 +13,7 @@ from typing import cast
 import attrs
 from attrs import validators as v
 
-from kvscope.scheduling import LOOP_SLICE
+from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
 
 def key_id(key: str) -> str:
@@ -61,5 +61,8 @@ class ServerSettings:
     loop_slice: float | None = attrs.field(
         default=cast("float | None", LOOP_SLICE), validator=_slice_seconds
     )
+    #: The real-time (SCHED_FIFO) priority the event loop's thread asks for, 1-99, where
+    #: the OS allows it (0: none; see `kvscope.scheduling`).
+    loop_priority: int = attrs.field(default=LOOP_PRIORITY, validator=[v.ge(0), v.le(99)])
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))

@@ -10,6 +10,10 @@ websockets, openai) from the test thread, and wait with deadlines, never sleeps.
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +28,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from kvscope.web.server import Server
 from kvscope.web.settings import ServerSettings
 from tests.conftest import assert_clean
+
+#: The repository's root, where `kvscope serve` runs as a child.
+ROOT = Path(__file__).resolve().parents[2]
 
 BACKENDS = ["asyncio", "trio"]
 #: A request that runs for a long time unless cancelled.
@@ -142,6 +149,31 @@ def wait_tokens(client: httpx.Client, request_id: str, n: int = 1) -> dict[str, 
         return info if info["tokens_generated"] >= n else None
 
     return wait_for(check, what=f"{request_id} to generate {n} token(s)")
+
+
+def serve_cli(
+    backend: str, *args: str, preexec_fn: Callable[[], None] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`kvscope serve` as a child process on the tiny model and a free port, with `args`;
+    the process and its URL once it listens (its stdout's first line says where)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvscope.cli", "serve", "--model", "tiny-random"]
+        + ["--device", "cpu", "--port", "0", "--backend", backend, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=preexec_fn,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()  # blocks until the server printed where it listens
+    match = re.search(r"http://127\.0\.0\.1:\d+", line)
+    if not match:
+        process.kill()
+        _, stderr = process.communicate(timeout=60)
+        raise AssertionError(line + stderr)
+    return process, match.group(0)
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[Any]:

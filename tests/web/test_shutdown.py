@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,10 +19,9 @@ from websockets.sync.client import connect
 
 from kvscope.bench.core.servers import child_pids
 from kvscope.scheduling import LOOP_SLICE, current_slice
+from tests.conftest import realtime_refusal, thread_policy
 
-from .conftest import BACKENDS, LONG, sse_events, wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import BACKENDS, LONG, serve_cli, sse_events, wait_for
 
 
 class _Reader(threading.Thread):
@@ -88,49 +84,17 @@ class _Reader(threading.Thread):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigterm_with_streams_in_flight(backend: str, worker: str | None, tmp_path: Path) -> None:
     audit = tmp_path / "audit.jsonl"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvscope.cli",
-            "serve",
-            "--model",
-            "tiny-random",
-            "--device",
-            "cpu",
-            "--port",
-            "0",
-            "--backend",
-            backend,
-            "--audit-log",
-            str(audit),
-            "--num-kv-blocks",
-            "1024",
-            "--debug",
-            *(["--worker", worker] if worker else []),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    args = ["--audit-log", str(audit), "--num-kv-blocks", "1024", "--debug"]
+    process, url = serve_cli(backend, *args, *(["--worker", worker] if worker else []))
     try:
-        assert process.stdout is not None
-        line = process.stdout.readline()  # blocks until the server printed where it listens
-        match = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert match, line + (
-            process.stderr.read() if process.poll() is not None and process.stderr else ""
-        )
-        url = match.group(0)
         worker_pid = _wait_for_worker(url) if worker is None else None
+        _check_scheduling(process.pid, worker_pid)  # (idle: a busy loop may leave SCHED_FIFO)
         readers = [_Reader(kind, url) for kind in ("sse", "sse", "openai", "ws")]
         for reader in readers:
             reader.start()
         for reader in readers:
             assert reader.started.wait(60), reader.kind
             assert reader.error is None, reader.error
-        _check_slices(process.pid, worker_pid)
         children = child_pids(process.pid)
         assert worker_pid is None or worker_pid in children
         process.send_signal(signal.SIGTERM)
@@ -165,15 +129,23 @@ def test_sigterm_with_streams_in_flight(backend: str, worker: str | None, tmp_pa
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], children
 
 
-def _check_slices(server_pid: int, worker_pid: int | None) -> None:
-    """The server's event loop thread (its main thread) runs on short scheduler slices,
-    and every thread of the model worker process on the default (`kvscope.scheduling`)."""
+def _check_scheduling(server_pid: int, worker_pid: int | None) -> None:
+    """The server's event loop thread (its main thread) runs under SCHED_FIFO where this
+    process may take it, on short scheduler slices where it may not;
+    no other thread of the server runs real-time; every thread of the model worker
+    process runs on the default slice (`kvscope.scheduling`)."""
+    realtime = realtime_refusal() is None
+    assert thread_policy(server_pid) == (os.SCHED_FIFO if realtime else os.SCHED_OTHER)
+    others = [int(tid) for tid in os.listdir(f"/proc/{server_pid}/task")]
+    assert os.SCHED_FIFO not in [thread_policy(tid) for tid in others if tid != server_pid]
     if current_slice() is None:
         return  # this kernel has no per-thread slices
-    assert current_slice(server_pid) == LOOP_SLICE
+    if not realtime:
+        assert current_slice(server_pid) == LOOP_SLICE
     if worker_pid is not None:
         for tid in os.listdir(f"/proc/{worker_pid}/task"):
-            assert current_slice(int(tid)) == current_slice(), tid
+            assert thread_policy(int(tid)) in (os.SCHED_BATCH, None), tid
+            assert current_slice(int(tid)) in (current_slice(), None), tid
 
 
 def _wait_for_worker(url: str) -> int:
