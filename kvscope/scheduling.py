@@ -38,9 +38,9 @@ children, threads and processes, start under the default policy
 the bottleneck, a flood of requests) would take its core from every other thread of
 the machine, the model's included, so `RealtimeLoop` holds the policy only while the
 loop uses at most `REALTIME_MOST_BUSY` of its core, and takes it back once the loop is
-under `REALTIME_RESUME_BUSY` again. The same round with and without: 1-3 passes over 3 ms against
-28-42, a loop-lag p99 of 0.9-1.3 against 4.3-6.8 ms (docs/benchmarks/README.md,
-session 21).
+under `REALTIME_RESUME_BUSY` again. The same `bench cancel` round with and without: 1-3
+passes over 3 ms against 28-42, a loop-lag p99 of 0.9-1.3 against 4.3-6.8 ms
+(docs/benchmarks/README.md, session 21).
 
 Elsewhere (not Linux, a kernel before 6.12 for the slices, a seccomp filter that
 refuses the call, no privilege for the real-time policy) nothing changes, and
