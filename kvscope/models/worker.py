@@ -37,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
@@ -101,6 +101,23 @@ MALLOC_TUNABLES = {
     "glibc.malloc.mmap_threshold": str(32 << 20),  # glibc's largest
     "glibc.malloc.trim_threshold": str(1 << 30),
 }
+
+
+#: How long (in spins of libgomp, torch's OpenMP runtime) a model thread that waits, at
+#: a barrier or for the next step, spins before it sleeps; set in the worker's
+#: environment unless the user set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY`. libgomp's
+#: default, 300,000, is ~4 ms here, less than a served worker's wait between one
+#: request's last step and the next one's first (~5 ms at one stream) or between
+#: steps while the loop takes in a burst of requests; the helper then sleeps, and the
+#: next forward waits for it to wake. 3,000,000 is ~40 ms, spent once each time the
+#: worker goes idle (measured: 40 ms of CPU in the idle second after a parallel op,
+#: against 10). Served on the 2-core machine, 2 threads, beside the real-time loop,
+#: alternating: 32 streams, four pairs of two levels, 1,358-1,531 tok/s against
+#: 1,113-1,527, TTFT p50 201-258 ms against 209-284; one stream, four pairs, TTFT p50
+#: 26.2-27.4 ms against 27.3-36.2, 151-162 tok/s against 152-166 (docs/benchmarks/
+#: README.md, session 21). Intel's OpenMP runtime, where torch uses it, ignores it
+#: (its own `KMP_BLOCKTIME` is 200 ms).
+GOMP_SPINCOUNT = 3_000_000
 
 
 class WorkerDied(RuntimeError):
@@ -267,24 +284,35 @@ def worker_main(
 
 @contextmanager
 def worker_environment() -> Iterator[None]:
-    """The environment a worker process is spawned with: this process's, plus each of
-    `MALLOC_TUNABLES` the user's `GLIBC_TUNABLES` does not set already (theirs wins).
-    multiprocessing's spawn takes no environment of its own, so this process's is
-    changed for the spawn's duration and restored after it; another thread that reads
-    `GLIBC_TUNABLES` meanwhile sees the tunables (glibc reads them only at a program's
-    start, so no running code changes behaviour)."""
-    before = os.environ.get("GLIBC_TUNABLES")
-    users = [entry for entry in (before or "").split(":") if entry]
-    named = {entry.split("=", 1)[0] for entry in users}
-    ours = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items() if name not in named]
-    os.environ["GLIBC_TUNABLES"] = ":".join(users + ours)
+    """The environment a worker process is spawned with: this process's, plus
+    `worker_variables`. multiprocessing's spawn takes no environment of its own, so this
+    process's is changed for the spawn's duration and restored after it; another thread
+    that reads those variables meanwhile sees the worker's values (glibc and OpenMP
+    read them only at a program's start, so no running code changes behaviour)."""
+    changes = worker_variables(os.environ)
+    before = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["GLIBC_TUNABLES"]
-        else:
-            os.environ["GLIBC_TUNABLES"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def worker_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables a worker's environment sets beyond `environ`: `GLIBC_TUNABLES` with
+    each of `MALLOC_TUNABLES` the user's does not set already (theirs wins), and
+    `GOMP_SPINCOUNT` unless the user set it or `OMP_WAIT_POLICY`."""
+    users = [entry for entry in environ.get("GLIBC_TUNABLES", "").split(":") if entry]
+    named = {entry.split("=", 1)[0] for entry in users}
+    ours = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items() if name not in named]
+    variables = {"GLIBC_TUNABLES": ":".join(users + ours)}
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        variables["GOMP_SPINCOUNT"] = str(GOMP_SPINCOUNT)
+    return variables
 
 
 def _nice_every_thread(increment: int) -> None:

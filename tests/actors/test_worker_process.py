@@ -20,7 +20,7 @@ import pytest
 
 from kvscope import Engine
 from kvscope.models.loader import BUNDLED_DIR
-from kvscope.models.worker import MAIN_GUARD_HINT, MALLOC_TUNABLES
+from kvscope.models.worker import GOMP_SPINCOUNT, MAIN_GUARD_HINT, MALLOC_TUNABLES
 from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -310,13 +310,18 @@ async def test_the_thread_workers_model_threads_run_as_a_batch_job():
     assert os.sched_getscheduler(0) == loop_policy
 
 
-async def test_the_worker_starts_with_its_malloc_tunables():
+async def test_the_worker_starts_with_its_malloc_tunables_and_openmp_spin(monkeypatch):
     """The worker's environment carries glibc's malloc tunables (huge pages, a heap that
-    keeps a step's activations); the engine's own environment does not."""
+    keeps a step's activations) and OpenMP's longer spin; the engine's own environment
+    does not."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     before = os.environ.get("GLIBC_TUNABLES")
     async with open_engine(worker="process") as engine:
         pid = await worker_ready(engine)
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"GOMP_SPINCOUNT={GOMP_SPINCOUNT}".encode() in environ
+        assert "GOMP_SPINCOUNT" not in os.environ
         tunables = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
         assert len(tunables) == 1
         # glibc 2.36 cuts the variable after the first tunable it parses (their effect

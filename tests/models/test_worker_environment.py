@@ -1,6 +1,6 @@
 """The environment a model worker process is spawned with (`models/worker.py`): glibc's
-malloc tunables are added, a tunable the user set is kept as the user set it, and the
-engine's own environment is left as it was."""
+malloc tunables and OpenMP's spin count are added, a setting of the user's is kept as
+the user set it, and the engine's own environment is left as it was."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvscope.models.worker import MALLOC_TUNABLES, worker_environment
+from kvscope.models.worker import GOMP_SPINCOUNT, MALLOC_TUNABLES, worker_environment
 
 OURS = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items()]
 
@@ -16,6 +16,28 @@ OURS = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items()]
 def _inside() -> list[str]:
     with worker_environment():
         return os.environ["GLIBC_TUNABLES"].split(":")
+
+
+def _spin_inside() -> str | None:
+    with worker_environment():
+        return os.environ.get("GOMP_SPINCOUNT")
+
+
+def test_openmp_spins_longer_in_the_worker_only(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert _spin_inside() == str(GOMP_SPINCOUNT)
+    assert "GOMP_SPINCOUNT" not in os.environ
+
+
+@pytest.mark.parametrize("name", ["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
+def test_the_users_own_openmp_wait_wins(monkeypatch, name):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv(name, "1000" if name == "GOMP_SPINCOUNT" else "PASSIVE")
+    expected = "1000" if name == "GOMP_SPINCOUNT" else None
+    assert _spin_inside() == expected
+    assert os.environ[name] == ("1000" if name == "GOMP_SPINCOUNT" else "PASSIVE")
 
 
 def test_the_tunables_are_added_for_the_spawn_only(monkeypatch):
