@@ -112,6 +112,13 @@ def realtime_refusal() -> str | None:
     return out[0]
 
 
+def skip_without_realtime() -> None:
+    """Skip the calling test where this process may not take SCHED_FIFO."""
+    why_not = realtime_refusal()
+    if why_not is not None:
+        pytest.skip(f"this process may not take SCHED_FIFO: {why_not}")
+
+
 def without_realtime() -> None:
     """`preexec_fn` of a child that must not get the real-time policy: an RLIMIT_RTPRIO
     of 0 and, where this process may drop it, no CAP_SYS_NICE from the `exec` on."""

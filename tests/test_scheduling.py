@@ -28,7 +28,7 @@ from kvscope.scheduling import (
     current_slice,
 )
 from kvscope.web.settings import ServerSettings
-from tests.conftest import realtime_refusal, thread_policy, without_realtime
+from tests.conftest import skip_without_realtime, thread_policy, without_realtime
 
 needs_slices = pytest.mark.skipif(
     current_slice() is None, reason="this kernel has no per-thread slices (Linux 6.12+)"
@@ -120,9 +120,7 @@ def test_the_setting_takes_a_slice_the_kernel_allows_or_none() -> None:
 
 
 def test_the_loop_runs_real_time_where_allowed_and_what_it_starts_does_not() -> None:
-    why_not = realtime_refusal()
-    if why_not is not None:
-        pytest.skip(f"this process may not take SCHED_FIFO: {why_not}")
+    skip_without_realtime()
     probe = "import os; print(os.sched_getscheduler(0))"
 
     def loop_thread() -> tuple[Any, ...]:
@@ -167,9 +165,7 @@ def test_the_setting_takes_a_real_time_priority_or_none() -> None:
 
 
 def test_a_busy_loop_leaves_the_real_time_policy_and_takes_it_back_once_calm() -> None:
-    why_not = realtime_refusal()
-    if why_not is not None:
-        pytest.skip(f"this process may not take SCHED_FIFO: {why_not}")
+    skip_without_realtime()
 
     def loop_thread() -> list[Any]:
         realtime = RealtimeLoop(LOOP_PRIORITY, LOOP_SLICE)
@@ -195,9 +191,7 @@ def test_a_busy_loop_leaves_the_real_time_policy_and_takes_it_back_once_calm() -
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_hold_measures_the_loops_share_of_its_core(backend: str) -> None:
     """A loop that never waits leaves the policy; once it idles, it takes it back."""
-    why_not = realtime_refusal()
-    if why_not is not None:
-        pytest.skip(f"this process may not take SCHED_FIFO: {why_not}")
+    skip_without_realtime()
 
     async def main() -> tuple[int, int]:
         realtime = RealtimeLoop(LOOP_PRIORITY, LOOP_SLICE)

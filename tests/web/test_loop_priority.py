@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from kvscope.scheduling import LOOP_SLICE, current_slice
-from tests.conftest import realtime_refusal, thread_policy, without_realtime
+from tests.conftest import skip_without_realtime, thread_policy, without_realtime
 
 from .conftest import BACKENDS, serve_cli
 
@@ -103,9 +103,7 @@ def _flood(port: int, stop: threading.Event) -> None:
 def test_a_busy_loop_leaves_the_real_time_policy_and_takes_it_back_once_calm(
     backend: str,
 ) -> None:
-    why_not = realtime_refusal()
-    if why_not is not None:
-        pytest.skip(f"this process may not take SCHED_FIFO: {why_not}")
+    skip_without_realtime()
     process, url = serve_cli(backend, "--worker", "thread")
     stop = threading.Event()
     errors: list[BaseException] = []
