@@ -87,7 +87,8 @@ class LinearSlicer:
         self.target = target
         self.min_columns = min_columns
         self._costs: dict[tuple[int, ...], tuple[float, float]] = {}  # shape -> (a, b)
-        self._pieces: dict[tuple[int, int, bool], list[Piece]] = {}
+        #: (id of the layer, pieces, which cut: "plain", "wide" or "paired") -> pieces
+        self._pieces: dict[tuple[int, int, str], list[Piece]] = {}
         self._keep: dict[int, Linear] = {}  # keeps the ids above meaningful
         self._packed_bytes = 0
 
@@ -181,7 +182,7 @@ class LinearSlicer:
     def _split(self, linear: Linear, pieces: int, wide: bool) -> list[Piece]:
         """The pieces of `linear` (of its float32 copy if `wide`): prepacked where the
         layer is and the budget allows, views of the plain weight otherwise."""
-        key = (id(linear), pieces, wide)
+        key = (id(linear), pieces, "wide" if wide else "plain")
         if key not in self._pieces:
             self._keep[id(linear)] = linear
             weight, bias = (linear.wide, linear.wide_bias) if wide else (linear.weight, linear.bias)
@@ -197,7 +198,7 @@ class LinearSlicer:
         """`gate_up`'s pieces, each a column range of the gate and the same range of up,
         prepacked; None where the layer is not prepacked or the budget is spent (the
         ranges are copies, which only pay as prepacked ones)."""
-        key = (id(gate_up), pieces, True)
+        key = (id(gate_up), pieces, "paired")
         if key not in self._pieces:
             weight, bias = gate_up.weight, gate_up.bias
             if gate_up.packed is None or not self._reserve(weight):

@@ -261,6 +261,10 @@ def worker_main(
         warm_up_now(runner, spec.warm_up_tokens)  # the engine serves meanwhile
         control = WorkerControl(flags.numpy())
     except Exception as exc:
+        # The parent logs the error's one line; where it came from is told here, on the
+        # stderr this process shares with the server (no logging set up: Python's own
+        # last-resort handler prints it, traceback included).
+        log.exception("the model worker could not load the model")
         conn.send(("failed", f"{exc!r}"))
         return
     conn.send(("ready", os.getpid()))
@@ -275,6 +279,7 @@ def worker_main(
                 conn.send(("aborted",))
                 continue
             except Exception as exc:
+                log.exception("a step failed in the model worker")  # as above
                 conn.send(("error", f"{exc!r}"))
                 continue
             conn.send(encode_answer(tokens, step))

@@ -144,10 +144,11 @@ async def test_the_engine_releases_its_copy_of_the_model_once_the_worker_is_read
 
 
 async def test_the_model_is_loaded_again_when_no_worker_can_start(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ):
     """A worker that cannot start (here: its checkpoint is gone when it restarts) leaves
-    the steps to the engine, which loads the model again and serves."""
+    the steps to the engine, which loads the model again and serves; the worker told
+    where its error came from on the stderr it shares with the engine."""
     model = tmp_path / "model"
     shutil.copytree(BUNDLED_DIR, model)
     weights, hidden = model / "model.safetensors", tmp_path / "hidden.safetensors"
@@ -169,6 +170,8 @@ async def test_the_model_is_loaded_again_when_no_worker_can_start(
         assert engine.stats()["model_bytes"] > 0 and engine.stats()["worker_pid"] == 0
         assert any("loading the model again" in r.getMessage() for r in caplog.records)
     assert gone(pid)
+    err = capfd.readouterr().err
+    assert "the model worker could not load the model" in err and "Traceback" in err, err
 
 
 UNGUARDED_SCRIPT = """

@@ -74,6 +74,28 @@ def test_the_gated_mlp_in_pieces_gives_the_layers_result(rows, dtype, budget, mo
     assert torch.equal(unsliced, whole)  # no checkpoint hook: no pieces
 
 
+@pytest.mark.parametrize("layout", ["as this CPU plans it", "float32 copies"])
+def test_the_gated_mlp_in_pieces_holds_step_after_step(layout, monkeypatch) -> None:
+    """Each step cuts the MLP again from the pieces the first one made: gate_up's paired
+    pieces and its plain column pieces are different cuts of one layer, and neither is
+    taken for the other. (On a CPU without bfloat16 prepacking, gate_up multiplies in
+    float32 copies; its second step once took those for paired pieces and failed.)"""
+    if layout == "float32 copies":
+        monkeypatch.setattr(linear_layouts, "_bf16_prepack_supported", lambda: False)
+    gate_up = planned_linear(torch.bfloat16, (2 * 768, 256))
+    down = planned_linear(torch.bfloat16, (512, 768))
+    if layout == "float32 copies":
+        assert gate_up.layout().startswith("wide")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 256, generator=generator).to(torch.bfloat16)
+    residual = torch.randn(8, 512, generator=generator).to(torch.bfloat16)
+    slicer = LinearSlicer(target=1e-12)
+    with torch.inference_mode():
+        whole = residual + down(silu_and_mul(gate_up(x)))
+        for _step in range(3):
+            assert_close(slicer.gated_mlp(gate_up, down, x, residual, lambda: None), whole)
+
+
 def test_forget_lets_the_cut_layers_go() -> None:
     """Once its model released its weights, the slicer holds neither the layers it cut
     nor their pieces (`ModelRunner.release_model` calls `forget`)."""
