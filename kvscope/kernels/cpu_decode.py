@@ -67,6 +67,10 @@ PREFILL_CHOICES = ("auto", "kernel", "sdpa")
 #: Builds kept in the cache besides the one in use: other venvs (another torch, another
 #: compiler) may share the cache, so a few recent ones stay; older ones are deleted.
 KEEP_OTHER_BUILDS = 3
+#: A build's private file while the compiler writes it (renamed once whole); one older
+#: than `ABANDONED_AFTER` seconds was left by a process that exited mid-build.
+BUILDING_PREFIX = "building-"
+ABANDONED_AFTER = 3600.0
 
 Fallback = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -191,7 +195,7 @@ class CpuKernel:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # Build under a private name, then rename: concurrent builds never see half a file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            fd, tmp = tempfile.mkstemp(prefix=BUILDING_PREFIX, suffix=".so", dir=path.parent)
             os.close(fd)
             result = subprocess.run(
                 build_command(cxx, SOURCES, Path(tmp)), capture_output=True, text=True
@@ -316,15 +320,22 @@ def _time_prefill(prefill_op: Callable[..., None]) -> tuple[float, float]:
 
 def prune_builds(current: Path, keep: int = KEEP_OTHER_BUILDS) -> list[Path]:
     """Delete all but the `keep` most recent other builds next to `current` (each
-    source or torch change makes a new one); returns what was deleted. A build in use
-    by another process stays mapped in it after its file is gone."""
+    source or torch change makes a new one), and the private files of builds abandoned
+    mid-way (their process exited while the compiler ran); returns what was deleted. A
+    build in use by another process stays mapped in it after its file is gone."""
     others = sorted(
         (p for p in current.parent.glob("paged_decode-*.so") if p != current),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
+    abandoned_before = time.time() - ABANDONED_AFTER
+    abandoned = [
+        p
+        for p in current.parent.glob(f"{BUILDING_PREFIX}*.so")
+        if p.stat().st_mtime < abandoned_before
+    ]
     deleted = []
-    for old in others[keep:]:
+    for old in others[keep:] + abandoned:
         try:
             old.unlink()
             deleted.append(old)

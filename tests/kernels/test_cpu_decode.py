@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +21,14 @@ import torch
 
 from kvscope.kernels import attention
 from kvscope.kernels.attention import reference_decode
-from kvscope.kernels.cpu_decode import SOURCES, build_command, compiler, cpu_kernel, prune_builds
+from kvscope.kernels.cpu_decode import (
+    BUILDING_PREFIX,
+    SOURCES,
+    build_command,
+    compiler,
+    cpu_kernel,
+    prune_builds,
+)
 
 # (heads, kv_heads, head_dim, block_size): GQA 2, 3, 4 and 6 to 1, MHA, head sizes
 # that are not a multiple of 8, a block size that is not a power of two; GQA 3 and 6
@@ -386,7 +394,14 @@ def test_old_builds_are_pruned_and_the_current_one_kept(tmp_path: Path) -> None:
     os.utime(current, (1, 1))  # the one in use stays however old its file is
     unrelated = tmp_path / "notes.txt"
     unrelated.write_text("kept")
+    # A build's private file: one abandoned two hours ago, one being written now.
+    abandoned = tmp_path / f"{BUILDING_PREFIX}abc.so"
+    abandoned.write_bytes(b"half")
+    two_hours_ago = time.time() - 7200
+    os.utime(abandoned, (two_hours_ago, two_hours_ago))
+    building = tmp_path / f"{BUILDING_PREFIX}def.so"
+    building.write_bytes(b"half")
     deleted = prune_builds(current, keep=2)
-    assert sorted(deleted) == sorted(olds[2:])
-    assert current.exists() and unrelated.exists()
+    assert sorted(deleted) == sorted([*olds[2:], abandoned])
+    assert current.exists() and unrelated.exists() and building.exists()
     assert [p.exists() for p in olds] == [True, True, False, False, False]
