@@ -15,15 +15,17 @@ follows this machine and this thread count. Only CPU tensors are sliced: elsewhe
 forward does not wait for its kernels, so timing a call says nothing. A piece has at
 least `MIN_COLUMNS` columns, its cuts fall on multiples of `ALIGN` columns
 (`column_ranges`), and the pieces are views of the weights (no copy) for the
-plain and float32-copy layouts; a prepacked float32 copy is sliced as the plain float32
-copy beside it (the probe times the prepacked one, ~10 % quicker at the hundreds of
-rows that get sliced).
+plain and float32-copy layouts.
 
-A prepacked bfloat16 weight is sliced into prepacked pieces (oneDNN's reorder of each
-piece, made the first time that cut is met), while they fit in `PACKED_PIECES_BUDGET`:
-its plain form multiplies at a third of the speed, so two plain pieces cost more than
-the whole (a 2,048-row step of the reference model: 258 ms with the MLP in plain pieces
-against 170 whole). Past the budget, pieces are plain views as above.
+A prepacked weight, bfloat16 or a float32 copy, is sliced into prepacked pieces
+(oneDNN's reorder of each piece, made the first time that cut is met), while they fit
+in `PACKED_PIECES_BUDGET`: a plain bfloat16 weight multiplies at a third of the speed,
+so two plain pieces cost more than the whole (a 2,048-row step of the reference model:
+258 ms with the MLP in plain pieces against 170 whole), and plain float32 pieces are
+repacked by MKL at every call (on the 2-core AVX2 machine, where bfloat16 does not
+prepack, 32 streams in-process decoded 594-662 tok/s with the lm_head's two plain pieces
+against 725-800 with prepacked ones, and 219-249 against 267-271 with 256-token
+prompts; session 22). Past the budget, pieces are plain views as above.
 
 The gated MLP (`gated_mlp`: `residual + down(silu(gate) * up)`) is cut so that no piece
 output is concatenated: gate_up's pieces pair each gate column range with the same up
@@ -187,7 +189,8 @@ class LinearSlicer:
             self._keep[id(linear)] = linear
             weight, bias = (linear.wide, linear.wide_bias) if wide else (linear.weight, linear.bias)
             assert weight is not None
-            pack = not wide and linear.packed is not None and self._reserve(weight)
+            packed = linear.wide_packed if wide else linear.packed
+            pack = packed is not None and self._reserve(weight)
             self._pieces[key] = [
                 _piece(weight[lo:hi], None if bias is None else bias[lo:hi], pack)
                 for lo, hi in column_ranges(weight.shape[0], pieces)

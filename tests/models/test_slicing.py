@@ -31,9 +31,16 @@ def assert_close(out: torch.Tensor, whole: torch.Tensor) -> None:
     assert ((out.float() - whole.float()).abs().max() / whole.float().abs().max()) <= tolerance
 
 
+@pytest.mark.parametrize("layout", ["as this CPU plans it", "float32 copies"])
 @pytest.mark.parametrize("rows", [8, 517])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_pieces_give_the_layers_result_with_a_checkpoint_between_each(rows, dtype) -> None:
+def test_pieces_give_the_layers_result_with_a_checkpoint_between_each(
+    rows, dtype, layout, monkeypatch
+) -> None:
+    """In each layout: bfloat16 prepacked, or (where bfloat16 does not prepack) float32
+    copies, themselves prepacked, cut into prepacked pieces."""
+    if layout == "float32 copies":
+        monkeypatch.setattr(linear_layouts, "_bf16_prepack_supported", lambda: False)
     layer = planned_linear(dtype)
     slicer = LinearSlicer(target=1e-12)  # as many pieces as the layer allows
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
