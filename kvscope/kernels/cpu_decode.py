@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -323,19 +323,12 @@ def prune_builds(current: Path, keep: int = KEEP_OTHER_BUILDS) -> list[Path]:
     source or torch change makes a new one), and the private files of builds abandoned
     mid-way (their process exited while the compiler ran); returns what was deleted. A
     build in use by another process stays mapped in it after its file is gone."""
-    others = sorted(
-        (p for p in current.parent.glob("paged_decode-*.so") if p != current),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
+    builds = _by_age(p for p in current.parent.glob("paged_decode-*.so") if p != current)
+    building = _by_age(current.parent.glob(f"{BUILDING_PREFIX}*.so"))
     abandoned_before = time.time() - ABANDONED_AFTER
-    abandoned = [
-        p
-        for p in current.parent.glob(f"{BUILDING_PREFIX}*.so")
-        if p.stat().st_mtime < abandoned_before
-    ]
+    abandoned = [path for mtime, path in building if mtime < abandoned_before]
     deleted = []
-    for old in others[keep:] + abandoned:
+    for old in [path for _mtime, path in builds[keep:]] + abandoned:
         try:
             old.unlink()
             deleted.append(old)
@@ -344,6 +337,18 @@ def prune_builds(current: Path, keep: int = KEEP_OTHER_BUILDS) -> list[Path]:
     if deleted:
         log.info("deleted %d old CPU kernel build(s) from %s", len(deleted), current.parent)
     return deleted
+
+
+def _by_age(paths: Iterable[Path]) -> list[tuple[float, Path]]:
+    """(mtime, path) of each of `paths` still there, the most recent first (another
+    process may rename or delete one meanwhile: its build finished, or it pruned)."""
+    dated = []
+    for path in paths:
+        try:
+            dated.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    return sorted(dated, reverse=True)
 
 
 def _check(op: Callable[..., None]) -> None:
