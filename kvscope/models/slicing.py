@@ -169,10 +169,14 @@ class LinearSlicer:
 
     @staticmethod
     def _input(linear: Linear, x: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        """Whether the pieces are of the float32 copy, and `x` as they take it (widened
-        once, not once a piece)."""
+        """Whether the pieces are of the float32 copy, and `x` as they take it: widened
+        once, not once a piece, into rows with bucket room, which prepacked pieces read
+        in place (`prepacked` would copy a plain `x.float()` again for each piece)."""
         wide = linear.wide is not None and x.shape[0] >= WIDE_ROWS
-        return wide, x.float() if wide else x
+        if not wide:
+            return False, x
+        widened = empty_with_bucket_room(*x.shape, dtype=torch.float32, device=x.device)
+        return True, widened.copy_(x)
 
     def forget(self) -> None:
         """Drop every piece and the layers they came from (their model released its
