@@ -32,16 +32,26 @@ is ready and, timed against SDPA when it loaded, was the quicker here
 (`cpu_decode.CpuKernel.prefill_in_place`): SDPA's flash kernel multiplies on AMX tiles
 where the CPU has them, and there it wins. Longer chunks, other devices, and the CPU
 before the kernel is ready take SDPA (`sdpa_own_rows`, `sdpa_prefill`).
+
+Given a `PrefillSlicing` (the forward's `models.slicing.LinearSlicer`) and a checkpoint
+hook, the in-place runs attend in pieces of rows of nearly equal work (`split_run`)
+and the runs of fresh chunks in groups of chunks, each piece timed for the slicer, with
+the hook between two pieces and after the decode rows.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
+from typing import Protocol
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +92,19 @@ class PrefillRun:
     tables: torch.Tensor  # [chunks, max_blocks] block ids of each (padded with block 0)
     starts: torch.Tensor  # [chunks] int32
     offsets: torch.Tensor  # [chunks + 1] int32
+    #: The same starts and offsets on the host.
+    host_starts: tuple[int, ...] = ()
+    host_offsets: tuple[int, ...] = ()
+
+    @property
+    def keys(self) -> int:
+        """The keys its rows attend, summed (its work)."""
+        return sum(
+            _chunk_keys(start, end - begin)
+            for start, begin, end in zip(
+                self.host_starts, self.host_offsets, self.host_offsets[1:], strict=False
+            )
+        )
 
 
 @attrs.frozen
@@ -97,6 +120,11 @@ class FreshRun:
     @property
     def rows(self) -> slice:
         return slice(self.start, self.start + self.count * self.length)
+
+    @property
+    def keys(self) -> int:
+        """The keys its rows attend, summed (its work)."""
+        return self.count * _chunk_keys(0, self.length)
 
 
 @attrs.frozen
@@ -212,16 +240,110 @@ def _prefill_runs(
         for row, (span, _) in enumerate(run):
             tables[row, : len(span.blocks)] = span.blocks.cpu()
         offsets = [span.start - first for span, _ in run] + [run[-1][0].end - first]
+        chunk_starts = [start for _, start in run]
         built.append(
             PrefillRun(
                 first,
                 run[-1][0].end,
                 tables.to(device),
-                torch.tensor([start for _, start in run], dtype=torch.int32, device=device),
+                torch.tensor(chunk_starts, dtype=torch.int32, device=device),
                 torch.tensor(offsets, dtype=torch.int32, device=device),
+                tuple(chunk_starts),
+                tuple(offsets),
             )
         )
     return tuple(built)
+
+
+class PrefillSlicing(Protocol):
+    """How many pieces a prefill's attention is cut into (`models.slicing`), told how
+    long each piece took."""
+
+    def attention_parts(self, path: str, keys: int) -> int: ...
+
+    def attention_took(self, path: str, seconds: float, keys: int) -> None: ...
+
+
+class PrefillPieces:
+    """The pieces of one layer's prefill attention: how many (`parts`), and each one
+    timed for `slicing`, with `between()` before every piece but the first (before the
+    first too if `started`: something ran before it)."""
+
+    def __init__(
+        self,
+        slicing: PrefillSlicing | None,
+        between: Callable[[], None] | None,
+        *,
+        started: bool = False,
+    ) -> None:
+        self.slicing = slicing if between is not None else None
+        self.between = between
+        self.started = started
+
+    def parts(self, path: str, keys: int) -> int:
+        return 1 if self.slicing is None else max(1, self.slicing.attention_parts(path, keys))
+
+    @contextlib.contextmanager
+    def piece(self, path: str, keys: int) -> Iterator[None]:
+        if self.started and self.between is not None:
+            self.between()
+        self.started = True
+        started = time.perf_counter()
+        yield
+        if self.slicing is not None:
+            self.slicing.attention_took(path, time.perf_counter() - started, keys)
+
+
+def _even_cuts(count: int, parts: int) -> list[tuple[int, int]]:
+    """`count` items in `parts` consecutive groups of nearly equal size."""
+    parts = max(1, min(parts, count))
+    cuts = [round(i * count / parts) for i in range(parts + 1)]
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def _chunk_keys(start: int, length: int) -> int:
+    """The keys `length` rows from position `start` attend causally, summed."""
+    return length * start + length * (length + 1) // 2
+
+
+def split_run(run: PrefillRun, parts: int) -> list[PrefillRun]:
+    """`run` cut into up to `parts` consecutive runs of nearly equal work (keys
+    attended). A cut may fall inside a chunk: its rows from there on are a chunk of
+    their own whose first token is further on (every key of the step is in the cache
+    before attention starts)."""
+    if parts <= 1:
+        return [run]
+    work = np.concatenate(
+        [
+            np.arange(start + 1, start + 1 + end - begin, dtype=np.int64)
+            for start, begin, end in zip(
+                run.host_starts, run.host_offsets, run.host_offsets[1:], strict=False
+            )
+        ]
+    ).cumsum()
+    parts = min(parts, len(work))
+    wanted = work[-1] * np.arange(1, parts) / parts
+    cuts = sorted({0, *(np.searchsorted(work, wanted) + 1).tolist(), len(work)})
+    pieces = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        first = bisect.bisect_right(run.host_offsets, lo) - 1
+        last = bisect.bisect_left(run.host_offsets, hi) - 1
+        chunks = range(first, last + 1)
+        starts = [run.host_starts[c] + max(lo - run.host_offsets[c], 0) for c in chunks]
+        offsets = [max(run.host_offsets[c], lo) - lo for c in chunks] + [hi - lo]
+        device = run.starts.device
+        pieces.append(
+            PrefillRun(
+                run.start + lo,
+                run.start + hi,
+                run.tables[first : last + 1],
+                torch.tensor(starts, dtype=torch.int32, device=device),
+                torch.tensor(offsets, dtype=torch.int32, device=device),
+                tuple(starts),
+                tuple(offsets),
+            )
+        )
+    return pieces
 
 
 def padding_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -240,9 +362,13 @@ def paged_attention(
     scale: float,
     *,
     written: bool = False,
+    slicing: PrefillSlicing | None = None,
+    between: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Write `key`/`value` ([tokens, kv_heads, dim]) into the cache (unless `written`:
-    the caller did, `fused.rope_and_cache`), then attend.
+    the caller did, `fused.rope_and_cache`), then attend. With `slicing` and
+    `between`, the prefill chunks attend in pieces of rows (`split_run`) or of chunks,
+    as many as `slicing` says, with `between()` between two pieces.
 
     `query` is [tokens, heads, dim]; returns [tokens, heads * dim].
     """
@@ -255,6 +381,8 @@ def paged_attention(
         num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device
     )
     decode = decode_backend(query.device.type)
+    # after the decode rows, the prefill's first piece waits for a checkpoint too
+    pieces = PrefillPieces(slicing, between, started=meta.num_decode > 0)
     if meta.num_decode:
         n = meta.num_decode
         assert meta.decode_tables is not None and meta.decode_context_lens is not None
@@ -281,21 +409,26 @@ def paged_attention(
     in_place = prefills_in_place is not None and prefills_in_place(query.dtype)
     if in_place:
         for run in meta.prefill_runs:
-            rows = slice(run.start, run.end)
-            decode.prefill(  # type: ignore[attr-defined]
-                out[rows],
-                query[rows],
-                key_cache,
-                value_cache,
-                run.tables,
-                run.starts,
-                run.offsets,
-                scale,
-            )
+            for part in split_run(run, pieces.parts("in place", run.keys)):
+                rows = slice(part.start, part.end)
+                with pieces.piece("in place", part.keys):
+                    decode.prefill(  # type: ignore[attr-defined]
+                        out[rows],
+                        query[rows],
+                        key_cache,
+                        value_cache,
+                        part.tables,
+                        part.starts,
+                        part.offsets,
+                        scale,
+                    )
     for fresh in meta.fresh_runs:
         if not (in_place and fresh.in_place):
-            rows = fresh.rows
-            out[rows] = sdpa_own_rows(query[rows], key[rows], value[rows], fresh.count, scale)
+            parts = min(fresh.count, pieces.parts("sdpa", fresh.keys))
+            for lo, hi in _even_cuts(fresh.count, parts):
+                rows = slice(fresh.start + lo * fresh.length, fresh.start + hi * fresh.length)
+                with pieces.piece("sdpa", (hi - lo) * fresh.keys // fresh.count):
+                    out[rows] = sdpa_own_rows(query[rows], key[rows], value[rows], hi - lo, scale)
     for span in meta.prefills:
         if span.mask is None or (in_place and span.in_place):
             continue

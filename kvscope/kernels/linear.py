@@ -140,12 +140,15 @@ def empty_with_bucket_room(*shape: int, dtype: torch.dtype, device: torch.device
     return storage[:rows]
 
 
-def prepacked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x W^T + b` with W as `reorder` prepacked it, at `bucket_rows` rows: the rows past
-    `x`'s are read from its storage where it goes on that far (`empty_with_bucket_room`;
-    whatever they hold, their outputs are dropped), else from a zeroed copy."""
+def prepacked(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, at: int | None = None
+) -> torch.Tensor:
+    """`x W^T + b` with W as `reorder` prepacked it, at `bucket_rows` rows (or `at`, a
+    bucket at least as large): the rows past `x`'s are read from its storage where it
+    goes on that far (`empty_with_bucket_room`; whatever they hold, their outputs are
+    dropped), else from a zeroed copy."""
     rows, columns = x.shape
-    padded = bucket_rows(rows)
+    padded = bucket_rows(rows) if at is None else at
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     needed = (x.storage_offset() + padded * columns) * x.element_size()

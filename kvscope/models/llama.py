@@ -221,7 +221,16 @@ class LlamaModel:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             attended = paged_attention(
-                q, k, v, keys, values, batch.meta, self.scale, written=written
+                q,
+                k,
+                v,
+                keys,
+                values,
+                batch.meta,
+                self.scale,
+                written=written,
+                slicing=slicer,
+                between=between,
             )
             if between is not None:
                 between()

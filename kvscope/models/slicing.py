@@ -1,4 +1,5 @@
-"""Slicing a long linear layer so that the forward's next checkpoint is never far away.
+"""Slicing a long linear layer, and a prefill's attention, so that the forward's next
+checkpoint is never far away.
 
 A cancel waits for the forward's next checkpoint. Between two of them lies at least one
 matrix multiply, and in a step that carries a long prefill chunk one multiply takes
@@ -17,6 +18,26 @@ least `MIN_COLUMNS` columns, its cuts fall on multiples of `ALIGN` columns
 (`column_ranges`), and the pieces are views of the weights (no copy) for the
 plain and float32-copy layouts.
 
+Where the columns run out (a step of 1,536 rows: the reference model's four 256-column
+pieces of qkv took ~5 ms each at one thread on the 2-core AVX2 machine), the rows are
+cut too (`cut`, `row_ranges`): ranges of at least `MIN_ROWS` rows, each of which
+multiplies every column piece in turn, reading the pieces' weights once a range. The
+ranges are cut as those of the rows' bucket are, and each multiplies at its range's
+row count there, so a step runs at the row counts of its bucket's warm-up step, whose
+oneDNN kernels are built. A float32 copy's input is widened a range at a time.
+
+A prefill's attention is cut the same way (`attention_parts`, `kernels.attention`):
+the chunks of a step into pieces of nearly equal work, of rows (a cut may fall inside a
+chunk) for the compiled in-place kernel or of whole chunks for SDPA. Its cost is
+learned as it runs, per path: seconds per key attended, an exponential average of
+each piece's own (`ATTENTION_FOLLOW`), one piece until a piece was timed.
+
+Measured in-process, 32 prompts of 512 tokens at a 2 ms target, reference model, AVX2
+machine: the checkpoint gap's p99 went from 22 to 4.6 ms at one thread (4.3 at two),
+where rope and the attention of 1,536 rows took up to 26 ms in one gap and gate_up's
+last piece with the whole activation's `silu_and_mul` 12; 32 streams of 256-token
+prompts decoded 536 tok/s against 548 (six alternating runs each, within their spread).
+
 A prepacked weight, bfloat16 or a float32 copy, is sliced into prepacked pieces
 (oneDNN's reorder of each piece, made the first time that cut is met), while they fit
 in `PACKED_PIECES_BUDGET`: a plain bfloat16 weight multiplies at a third of the speed,
@@ -28,11 +49,11 @@ against 725-800 with prepacked ones, and 219-249 against 267-271 with 256-token
 prompts; session 22). Past the budget, pieces are plain views as above.
 
 The gated MLP (`gated_mlp`: `residual + down(silu(gate) * up)`) is cut so that no piece
-output is concatenated: gate_up's pieces pair each gate column range with the same up
-range, so each piece's `silu_and_mul` writes its own columns of the activation (these
-pieces are copies, so only prepacked ones are made; past the budget gate_up is cut as
-any layer is), and down's pieces add the residual into their own columns of the
-output. (Cutting down by its input columns instead, adding partial products, would
+output is concatenated: gate_up's pieces (of the bfloat16 weight or of its float32
+copy) pair each gate column range with the same up range, so each piece's
+`silu_and_mul` writes its own columns of the activation (these pieces are copies, so
+only prepacked ones are made; past the budget gate_up is cut as any layer is), and
+down's pieces add the residual into their own columns of the output. (Cutting down by its input columns instead, adding partial products, would
 round each partial to bfloat16: not the layer's result.)
 """
 
@@ -40,7 +61,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -48,8 +69,12 @@ import torch.nn.functional as F
 
 from kvscope.kernels.fused import silu_and_mul
 from kvscope.kernels.linear import (
+    BUCKET_LARGE,
+    BUCKET_SMALL,
+    BUCKET_SMALL_UNTIL,
     WIDE_ROWS,
     Linear,
+    bucket_rows,
     empty_with_bucket_room,
     prepacked,
     reorder,
@@ -62,6 +87,12 @@ PROBE_ROWS = 64
 #: least 64 columns than whole, 12-14 % with 256; from 159 rows down, no measurable
 #: cost; docs/cancellation.md).
 MIN_COLUMNS = 256
+#: Fewest rows in one row range of a layer cut by rows too (`row_ranges`): a multiply
+#: of fewer rows reads the whole piece of weights for too little work.
+MIN_ROWS = 64
+#: How far the learned seconds per key of a prefill's attention move toward each
+#: piece's own (an exponential average: one slow piece, preempted, moves it little).
+ATTENTION_FOLLOW = 0.2
 #: Pieces are cut on multiples of this many columns (of each half, for gate_up's paired
 #: pieces): oneDNN multiplies other widths slower. The reference model at 2,048 rows on
 #: the 2-core AMX machine, gate_up in 3 paired pieces: its MLP took 7.1 ms with halves
@@ -93,13 +124,41 @@ class LinearSlicer:
         self._pieces: dict[tuple[int, int, str], list[Piece]] = {}
         self._keep: dict[int, Linear] = {}  # keeps the ids above meaningful
         self._packed_bytes = 0
+        #: Seconds a prefill's attention takes per key attended, by path (learned).
+        self._key_seconds: dict[str, float] = {}
 
     def pieces(self, linear: Linear, rows: int) -> int:
+        """How many column pieces `linear` is cut into at `rows` rows."""
+        return self.cut(linear, rows)[0]
+
+    def cut(self, linear: Linear, rows: int) -> tuple[int, list[RowRange]]:
+        """(column pieces, row ranges) of `linear` at `rows` rows: columns first, and
+        rows too once the columns alone cannot bring a piece within `target`. Both
+        follow the rows' bucket (`bucket_rows`), so a step cuts its layers as the
+        warm-up step of its bucket did, whose multiplies built the same kernels."""
+        whole = [RowRange(slice(0, rows), bucket_rows(rows))]
         if linear.weight.device.type != "cpu":
-            return 1
+            return 1, whole
         a, b = self.cost(linear)
+        padded = bucket_rows(rows)
+        wanted = max(1, math.ceil((a + b * padded) / self.target))
         most = max(1, linear.out_features // self.min_columns)
-        return min(most, max(1, math.ceil((a + b * rows) / self.target)))
+        if wanted <= most:
+            return wanted, whole
+        return most, row_ranges(rows, min(math.ceil(wanted / most), padded // MIN_ROWS))
+
+    def attention_parts(self, path: str, keys: int) -> int:
+        """How many pieces a prefill's attention over `keys` keys in all (its rows'
+        keys summed) is cut into on `path`: one until a piece on it was timed."""
+        rate = self._key_seconds.get(path)
+        return 1 if rate is None else max(1, math.ceil(keys * rate / self.target))
+
+    def attention_took(self, path: str, seconds: float, keys: int) -> None:
+        """A piece on `path` over `keys` keys took `seconds`: the rate follows it."""
+        if keys <= 0:
+            return
+        rate, last = seconds / keys, self._key_seconds.get(path)
+        self._key_seconds[path] = rate if last is None else last + ATTENTION_FOLLOW * (rate - last)
 
     def cost(self, linear: Linear) -> tuple[float, float]:
         """(a, b) of `linear`'s shape, measured on first use."""
@@ -111,18 +170,18 @@ class LinearSlicer:
     def __call__(
         self, linear: Linear, x: torch.Tensor, checkpoint: Callable[[], None] | None
     ) -> torch.Tensor:
-        """`linear(x)`, in column pieces with `checkpoint()` between two of them."""
-        pieces = 1 if checkpoint is None else self.pieces(linear, x.shape[0])
-        if pieces == 1:
+        """`linear(x)`, in pieces with `checkpoint()` between two of them."""
+        if checkpoint is None:
             return linear(x)
-        wide, x_in = self._input(linear, x)
-        outputs = []
-        for index, piece in enumerate(self._split(linear, pieces, wide)):
-            if index:
-                checkpoint()  # type: ignore[misc]
-            outputs.append(_multiply(piece, x_in))
-        out = torch.cat(outputs, dim=-1)
-        return out.to(x.dtype) if wide else out
+        columns, ranges = self.cut(linear, x.shape[0])
+        if columns == 1 and len(ranges) == 1:
+            return linear(x)
+        wide = _takes_wide(linear, x)
+        pieces = self._split(linear, columns, wide)
+        out = torch.empty(x.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
+        for rows, start, piece, product in _products(x, wide, pieces, ranges, checkpoint):
+            out[rows, start : start + piece.columns] = product
+        return out
 
     def gated_mlp(
         self,
@@ -132,51 +191,35 @@ class LinearSlicer:
         residual: torch.Tensor,
         checkpoint: Callable[[], None] | None,
     ) -> torch.Tensor:
-        """`residual + down(silu_and_mul(gate_up(x)))` in column pieces, with
-        `checkpoint()` between two pieces and between the two layers."""
+        """`residual + down(silu_and_mul(gate_up(x)))` in pieces, with `checkpoint()`
+        between two pieces and between the two layers."""
+        if checkpoint is None:
+            return residual + down(silu_and_mul(gate_up(x)))
         rows = x.shape[0]
-        first = 1 if checkpoint is None else self.pieces(gate_up, rows)
-        paired = self._paired(gate_up, first) if first > 1 else None
+        columns, ranges = self.cut(gate_up, rows)
+        wide = _takes_wide(gate_up, x)
+        paired = self._paired(gate_up, columns, wide) if columns > 1 else None
         if paired is not None:
             activation = empty_with_bucket_room(
                 rows, gate_up.out_features // 2, dtype=x.dtype, device=x.device
             )
-            start = 0
-            for index, piece in enumerate(paired):
-                if index:
-                    checkpoint()  # type: ignore[misc]
+            products = _products(x, wide, paired, ranges, checkpoint, halves=True)
+            for part, start, piece, product in products:
                 width = piece.columns // 2
-                silu_and_mul(_multiply(piece, x), activation[:, start : start + width])
-                start += width
+                silu_and_mul(product.to(x.dtype), activation[part, start : start + width])
         else:
             activation = silu_and_mul(self(gate_up, x, checkpoint))
-        if checkpoint is not None:
-            checkpoint()
-        second = 1 if checkpoint is None else self.pieces(down, rows)
-        if second == 1:
+        checkpoint()
+        columns, ranges = self.cut(down, rows)
+        if columns == 1 and len(ranges) == 1:
             return residual + down(activation)
-        wide, h_in = self._input(down, activation)
+        wide = _takes_wide(down, activation)
         out = torch.empty_like(residual)
-        start = 0
-        for index, piece in enumerate(self._split(down, second, wide)):
-            if index:
-                checkpoint()  # type: ignore[misc]
-            part = _multiply(piece, h_in)
-            columns = slice(start, start + piece.columns)
-            torch.add(residual[:, columns], part.to(x.dtype) if wide else part, out=out[:, columns])
-            start += piece.columns
+        pieces = self._split(down, columns, wide)
+        for part, start, piece, product in _products(activation, wide, pieces, ranges, checkpoint):
+            cut = (part, slice(start, start + piece.columns))
+            torch.add(residual[cut], product.to(x.dtype), out=out[cut])
         return out
-
-    @staticmethod
-    def _input(linear: Linear, x: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        """Whether the pieces are of the float32 copy, and `x` as they take it: widened
-        once, not once a piece, into rows with bucket room, which prepacked pieces read
-        in place (`prepacked` would copy a plain `x.float()` again for each piece)."""
-        wide = linear.wide is not None and x.shape[0] >= WIDE_ROWS
-        if not wide:
-            return False, x
-        widened = empty_with_bucket_room(*x.shape, dtype=torch.float32, device=x.device)
-        return True, widened.copy_(x)
 
     def forget(self) -> None:
         """Drop every piece and the layers they came from (their model released its
@@ -201,14 +244,18 @@ class LinearSlicer:
             ]
         return self._pieces[key]
 
-    def _paired(self, gate_up: Linear, pieces: int) -> list[Piece] | None:
-        """`gate_up`'s pieces, each a column range of the gate and the same range of up,
-        prepacked; None where the layer is not prepacked or the budget is spent (the
-        ranges are copies, which only pay as prepacked ones)."""
-        key = (id(gate_up), pieces, "paired")
+    def _paired(self, gate_up: Linear, pieces: int, wide: bool) -> list[Piece] | None:
+        """`gate_up`'s pieces (of its float32 copy if `wide`), each a column range of the
+        gate and the same range of up, prepacked; None where that layout is not
+        prepacked or the budget is spent (the ranges are copies, which only pay as
+        prepacked ones)."""
+        key = (id(gate_up), pieces, "paired-wide" if wide else "paired")
         if key not in self._pieces:
-            weight, bias = gate_up.weight, gate_up.bias
-            if gate_up.packed is None or not self._reserve(weight):
+            weight, bias = (
+                (gate_up.wide, gate_up.wide_bias) if wide else (gate_up.weight, gate_up.bias)
+            )
+            packed = gate_up.wide_packed if wide else gate_up.packed
+            if weight is None or packed is None or not self._reserve(weight):
                 return None
             self._keep[id(gate_up)] = gate_up
             half = weight.shape[0] // 2
@@ -228,6 +275,62 @@ class LinearSlicer:
         return True
 
 
+def _takes_wide(linear: Linear, x: torch.Tensor) -> bool:
+    """Whether `linear`'s pieces for `x` are of its float32 copy (as `Linear` chooses)."""
+    return linear.wide is not None and x.shape[0] >= WIDE_ROWS
+
+
+def _products(
+    x: torch.Tensor,
+    wide: bool,
+    pieces: list[Piece],
+    ranges: list[RowRange],
+    checkpoint: Callable[[], None],
+    *,
+    halves: bool = False,
+) -> Iterator[tuple[slice, int, Piece, torch.Tensor]]:
+    """(rows, first output column, piece, its product over those rows) for each piece of
+    each row range in turn, with `checkpoint()` between two (with `halves`, the columns
+    count in each half of a paired piece). For float32 pieces `x` is widened a row
+    range at a time into rows with bucket room, which prepacked pieces read in place
+    (`prepacked` would copy a plain `x.float()` again for each piece)."""
+    x_in = empty_with_bucket_room(*x.shape, dtype=torch.float32, device=x.device) if wide else x
+    first = True
+    for rows, at in ranges:
+        if wide:
+            x_in[rows] = x[rows]
+        start = 0
+        for piece in pieces:
+            if not first:
+                checkpoint()
+            first = False
+            yield rows, start, piece, _multiply(piece, x_in[rows], at)
+            start += piece.columns // 2 if halves else piece.columns
+
+
+class RowRange(NamedTuple):
+    """Rows of a layer's input, and the row count their multiply runs at."""
+
+    rows: slice
+    at: int
+
+
+def row_ranges(rows: int, parts: int) -> list[RowRange]:
+    """`parts` nearly equal ranges of `rows` rows, cut as those of its bucket
+    (`bucket_rows`) are, on multiples of the bucket's step, each multiplied at the row
+    count of that bucket's range: a step multiplies at the row counts of the warm-up
+    step of its bucket, whose kernels are built. Only the last range is short of it."""
+    padded = bucket_rows(rows)
+    unit = BUCKET_LARGE if padded > BUCKET_SMALL_UNTIL else BUCKET_SMALL
+    parts = max(1, min(parts, padded // unit))
+    cuts = [round(i * (padded // unit) / parts) * unit for i in range(parts)] + [padded]
+    return [
+        RowRange(slice(lo, min(hi, rows)), hi - lo)
+        for lo, hi in zip(cuts, cuts[1:], strict=False)
+        if lo < rows
+    ]
+
+
 def column_ranges(size: int, pieces: int) -> list[tuple[int, int]]:
     """The (start, end) columns of `pieces` nearly equal pieces of `size` columns, cut
     on multiples of `ALIGN` where every piece can have one."""
@@ -242,9 +345,9 @@ def _piece(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Piece
     return Piece(weight.shape[0], weight, bias, False)
 
 
-def _multiply(piece: Piece, x: torch.Tensor) -> torch.Tensor:
+def _multiply(piece: Piece, x: torch.Tensor, at: int | None = None) -> torch.Tensor:
     if piece.packed:
-        return prepacked(x, piece.weight, piece.bias)
+        return prepacked(x, piece.weight, piece.bias, at)
     return F.linear(x, piece.weight, piece.bias)
 
 

@@ -29,6 +29,7 @@ from kvscope.kernels.cpu_decode import (
     cpu_kernel,
     prune_builds,
 )
+from kvscope.models.slicing import LinearSlicer
 
 # (heads, kv_heads, head_dim, block_size): GQA 2, 3, 4 and 6 to 1, MHA, head sizes
 # that are not a multiple of 8, a block size that is not a power of two; GQA 3 and 6
@@ -142,12 +143,14 @@ def test_long_sequences_are_cut_into_spans_and_merged(op, dtype, threads) -> Non
         assert error <= RTOL[dtype], f"max error {error:.1e} relative ({heads}/{kv_heads} heads)"
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "in pieces"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, monkeypatch) -> None:
+def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, sliced, monkeypatch) -> None:
     """A step of two decode rows, a prompt's first chunk, a later chunk of another
     prompt (both short enough for the kernel, row by row) and a chunk past
     IN_PLACE_PREFILL_CONTEXT (gather + SDPA either way): every row attends as it does
-    on the torch path."""
+    on the torch path; so it does with the in-place chunks cut into pieces of rows
+    (some inside a chunk), with a checkpoint before each piece."""
     monkeypatch.setattr(attention, "IN_PLACE_PREFILL_CONTEXT", 40)
     generator = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, block_size = 8, 4, 32, 4
@@ -189,7 +192,26 @@ def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, monkeypatch) 
             backend = attention.decode_backend("cpu")
             in_place = getattr(backend, "prefills_in_place", lambda _: False)(dtype)
             assert in_place == (path == "auto")
-            return attention.paged_attention(query, key, value, keys, values, meta, dim**-0.5)
+            if not sliced or path != "auto":
+                return attention.paged_attention(query, key, value, keys, values, meta, dim**-0.5)
+            slicer, between = LinearSlicer(target=1e-12), []
+            for _learn_then_cut in range(2):  # one piece until a piece was timed
+                between.clear()
+                out = attention.paged_attention(
+                    query,
+                    key,
+                    value,
+                    keys,
+                    values,
+                    meta,
+                    dim**-0.5,
+                    slicing=slicer,
+                    between=lambda: between.append(None),
+                )
+            # after the decode rows, and between pieces of the 33 rows of two chunks
+            # (13 and 20 rows): more pieces than chunks, so some cut inside a chunk
+            assert 2 < len(between) <= 33
+            return out
         finally:
             attention.decode_backend.cache_clear()
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvscope.kernels import attention
+from kvscope.models.slicing import LinearSlicer
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -22,11 +23,14 @@ def torch_paths(monkeypatch):
     attention.decode_backend.cache_clear()
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "in pieces"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "head-major"])
 def test_fresh_and_later_chunks_attend_as_each_row_on_its_own(
-    torch_paths, dtype, block_major
+    torch_paths, dtype, block_major, sliced
 ) -> None:
+    """The same in pieces: each run of fresh chunks cut into one call a chunk, with a
+    checkpoint before each (after the decode rows too)."""
     # Two decode rows; three fresh prompts of 6 tokens (one run), a fresh one of 9, a
     # later chunk of a prompt (3 tokens in the cache), then another fresh one of 6
     # (a run of its own: not next to the first three).
@@ -68,7 +72,24 @@ def test_fresh_and_later_chunks_attend_as_each_row_on_its_own(
     key = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(tokens, KV_HEADS, DIM)
     value = qkv[:, (HEADS + KV_HEADS) * DIM :].view(tokens, KV_HEADS, DIM)
     scale = DIM**-0.5
-    out = attention.paged_attention(query, key, value, keys, values, meta, scale)
+    if sliced:
+        slicer, between = LinearSlicer(target=1e-12), []
+        for _learn_then_cut in range(2):  # one piece a run until a piece was timed
+            between.clear()
+            out = attention.paged_attention(
+                query,
+                key,
+                value,
+                keys,
+                values,
+                meta,
+                scale,
+                slicing=slicer,
+                between=lambda: between.append(None),
+            )
+        assert len(between) == 3 + 1 + 1
+    else:
+        out = attention.paged_attention(query, key, value, keys, values, meta, scale)
 
     # Each row on its own over the cache as the step left it: its sequence's blocks,
     # up to and including its own position.

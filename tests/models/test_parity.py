@@ -143,6 +143,25 @@ def test_chunked_and_batched_logits_match_transformers(
     assert_close(torch.cat(ours), hf_logits(hf, a))
 
 
+def test_long_prompts_in_pieces_of_rows_match_transformers(
+    checkpoints: Any, kind: str, attention_path: str
+) -> None:
+    """Two fresh prompts of 160 tokens in one step, with the slicer at its finest:
+    every linear layer cut by rows as well as columns, and the attention of the prompts
+    in pieces (of rows, or a prompt a piece), which a first step taught it to time."""
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    loaded = load_model(str(directory), device=CPU, dtype="float32")
+    tokens = [t for ids in prompts(directory) for t in ids] * 8
+    first, second = tokens[:160], tokens[7:167]
+    cache = Cache(loaded, num_blocks=128)
+    slicer = LinearSlicer(target=1e-12, min_columns=64)
+    assert len(slicer.cut(loaded.model.layers[0].gate_up, 320)[1]) > 1
+    cache.step([(2, tokens[:40], 0)], slicer=slicer)  # the attention's first piece: timed
+    logits = cache.step([(0, first, 0), (1, second, 0)], slicer=slicer)
+    assert_close(logits[:160], hf_logits(hf, first))
+    assert_close(logits[160:], hf_logits(hf, second))
+
+
 async def generate_all(
     open_engine: Any, checkpoint: Any, ids_list: list[list[int]], **config: Any
 ) -> list[list[int]]:

@@ -13,9 +13,9 @@ import torch
 
 from kvscope.kernels import linear as linear_layouts
 from kvscope.kernels.fused import silu_and_mul
-from kvscope.kernels.linear import Linear
+from kvscope.kernels.linear import Linear, bucket_rows
 from kvscope.models import slicing
-from kvscope.models.slicing import ALIGN, LinearSlicer, column_ranges
+from kvscope.models.slicing import ALIGN, LinearSlicer, column_ranges, row_ranges
 
 
 def planned_linear(dtype: torch.dtype, shape: tuple[int, int] = (1024, 256)) -> Linear:
@@ -38,19 +38,21 @@ def test_pieces_give_the_layers_result_with_a_checkpoint_between_each(
     rows, dtype, layout, monkeypatch
 ) -> None:
     """In each layout: bfloat16 prepacked, or (where bfloat16 does not prepack) float32
-    copies, themselves prepacked, cut into prepacked pieces."""
+    copies, themselves prepacked, cut into prepacked pieces; past 64 rows, in row ranges
+    too, as many as `cut` says."""
     if layout == "float32 copies":
         monkeypatch.setattr(linear_layouts, "_bf16_prepack_supported", lambda: False)
     layer = planned_linear(dtype)
     slicer = LinearSlicer(target=1e-12)  # as many pieces as the layer allows
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
-    pieces = slicer.pieces(layer, rows)
-    assert pieces == 1024 // 256
+    columns, ranges = slicer.cut(layer, rows)
+    assert columns == 1024 // 256
+    assert len(ranges) == (1 if rows < 2 * slicing.MIN_ROWS else bucket_rows(rows) // 64)
     calls = []
     with torch.inference_mode():
         out = slicer(layer, x, lambda: calls.append(None))
         whole = layer(x)
-    assert len(calls) == pieces - 1
+    assert len(calls) == columns * len(ranges) - 1
     assert_close(out, whole)
 
 
@@ -69,8 +71,12 @@ def test_the_gated_mlp_in_pieces_gives_the_layers_result(rows, dtype, budget, mo
     x = torch.randn(rows, 256, generator=generator).to(dtype)
     residual = torch.randn(rows, 512, generator=generator).to(dtype)
     slicer = LinearSlicer(target=1e-12)
-    expected_calls = (slicer.pieces(gate_up, rows) - 1) + 1 + (slicer.pieces(down, rows) - 1)
-    assert slicer.pieces(gate_up, rows) == 6 and slicer.pieces(down, rows) == 2
+    (first, first_ranges), (second, second_ranges) = (
+        slicer.cut(gate_up, rows),
+        slicer.cut(down, rows),
+    )
+    expected_calls = first * len(first_ranges) + second * len(second_ranges) - 1
+    assert first == 6 and second == 2
     calls = []
     with torch.inference_mode():
         out = slicer.gated_mlp(gate_up, down, x, residual, lambda: calls.append(None))
@@ -139,3 +145,20 @@ def test_too_few_columns_for_aligned_pieces_are_cut_evenly() -> None:
     ranges = column_ranges(3 * ALIGN - 1, 4)
     widths = [end - start for start, end in ranges]
     assert sum(widths) == 3 * ALIGN - 1 and max(widths) - min(widths) <= 1
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 250, 257, 517, 1500, 1536])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
+def test_row_ranges_run_at_the_buckets_of_their_rows_bucket(rows, parts) -> None:
+    """The ranges cover the rows in order, and each multiplies at the rows of the same
+    range of the rows' bucket (the warm-up's step of that bucket, whose kernels are
+    built), which are its own rows but for the last one's."""
+    ranges = row_ranges(rows, parts)
+    padded = row_ranges(bucket_rows(rows), parts)
+    assert ranges[0].rows.start == 0 and ranges[-1].rows.stop == rows
+    assert all(a.rows.stop == b.rows.start for a, b in zip(ranges, ranges[1:], strict=False))
+    assert len(ranges) == len(padded) <= parts
+    for mine, its in zip(ranges, padded, strict=True):
+        assert mine.rows.start == its.rows.start and mine.at == its.at
+        assert its.at == its.rows.stop - its.rows.start == bucket_rows(its.at)
+        assert 0 < mine.rows.stop - mine.rows.start <= mine.at
