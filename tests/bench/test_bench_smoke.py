@@ -117,7 +117,7 @@ def test_throughput_smoke(
         assert min(lv["ratios"]) <= lv["ratio_median"] <= max(lv["ratios"])
     printed = capsys.readouterr().out
     assert "The serving path's cost" in printed
-    assert "| kvscope serve (HTTP) " in printed
+    assert "| kvscope serve, thread worker (HTTP) " in printed
     assert "| kvscope serve, process worker (HTTP) " in printed
     first_served = r["kvscope_serve"][0]
     (hf,) = r["transformers"]

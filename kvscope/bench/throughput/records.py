@@ -92,12 +92,9 @@ class ServedRun(Record):
 
     @property
     def label(self) -> str:
-        """kvscope serve's name in the tables: the worker is named when it is a process."""
-        return (
-            "kvscope serve"
-            if self.worker in (None, "thread")
-            else f"kvscope serve, {self.worker} worker"
-        )
+        """kvscope serve's name in the tables, with its worker where the file says
+        (files from before it was recorded ran the thread worker, unnamed)."""
+        return "kvscope serve" if self.worker is None else f"kvscope serve, {self.worker} worker"
 
 
 #: The serving path may cost this much of the in-process tokens/s (issue 9, item 4).
