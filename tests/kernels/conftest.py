@@ -15,7 +15,9 @@ import sys
 import pytest
 import torch
 
+from kvscope.kernels import attention
 from kvscope.kernels.cpu_decode import CpuKernel, compiler, cpu_kernel
+from kvscope.models.slicing import LinearSlicer
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -28,3 +30,18 @@ def cpu_library() -> CpuKernel:
     kernel = cpu_kernel()
     assert kernel.wait(timeout=900), kernel.why_not
     return kernel
+
+
+def attend_in_pieces(*args: object) -> tuple[torch.Tensor, int]:
+    """`attention.paged_attention(*args)` with its prefill in the most pieces the
+    slicer cuts (a first call times one piece on each path), and how many checkpoints
+    the second call made."""
+    slicer, between = LinearSlicer(target=1e-12), []
+    for _learn_then_cut in range(2):
+        between.clear()
+        out = attention.paged_attention(
+            *args,  # type: ignore[arg-type]
+            slicing=slicer,
+            between=lambda: between.append(None),
+        )
+    return out, len(between)

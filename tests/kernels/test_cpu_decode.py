@@ -29,7 +29,7 @@ from kvscope.kernels.cpu_decode import (
     cpu_kernel,
     prune_builds,
 )
-from kvscope.models.slicing import LinearSlicer
+from tests.kernels.conftest import attend_in_pieces
 
 # (heads, kv_heads, head_dim, block_size): GQA 2, 3, 4 and 6 to 1, MHA, head sizes
 # that are not a multiple of 8, a block size that is not a power of two; GQA 3 and 6
@@ -194,23 +194,10 @@ def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, sliced, monke
             assert in_place == (path == "auto")
             if not sliced or path != "auto":
                 return attention.paged_attention(query, key, value, keys, values, meta, dim**-0.5)
-            slicer, between = LinearSlicer(target=1e-12), []
-            for _learn_then_cut in range(2):  # one piece until a piece was timed
-                between.clear()
-                out = attention.paged_attention(
-                    query,
-                    key,
-                    value,
-                    keys,
-                    values,
-                    meta,
-                    dim**-0.5,
-                    slicing=slicer,
-                    between=lambda: between.append(None),
-                )
+            out, checkpoints = attend_in_pieces(query, key, value, keys, values, meta, dim**-0.5)
             # after the decode rows, and between pieces of the 33 rows of two chunks
             # (13 and 20 rows): more pieces than chunks, so some cut inside a chunk
-            assert 2 < len(between) <= 33
+            assert 2 < checkpoints <= 33
             return out
         finally:
             attention.decode_backend.cache_clear()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvscope.kernels import attention
-from kvscope.models.slicing import LinearSlicer
+from tests.kernels.conftest import attend_in_pieces
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -73,21 +73,8 @@ def test_fresh_and_later_chunks_attend_as_each_row_on_its_own(
     value = qkv[:, (HEADS + KV_HEADS) * DIM :].view(tokens, KV_HEADS, DIM)
     scale = DIM**-0.5
     if sliced:
-        slicer, between = LinearSlicer(target=1e-12), []
-        for _learn_then_cut in range(2):  # one piece a run until a piece was timed
-            between.clear()
-            out = attention.paged_attention(
-                query,
-                key,
-                value,
-                keys,
-                values,
-                meta,
-                scale,
-                slicing=slicer,
-                between=lambda: between.append(None),
-            )
-        assert len(between) == 3 + 1 + 1
+        out, checkpoints = attend_in_pieces(query, key, value, keys, values, meta, scale)
+        assert checkpoints == 3 + 1 + 1  # a chunk a piece, each after a checkpoint
     else:
         out = attention.paged_attention(query, key, value, keys, values, meta, scale)
 
