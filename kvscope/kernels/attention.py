@@ -34,9 +34,10 @@ where the CPU has them, and there it wins. Longer chunks, other devices, and the
 before the kernel is ready take SDPA (`sdpa_own_rows`, `sdpa_prefill`).
 
 Given a `PrefillSlicing` (the forward's `models.slicing.LinearSlicer`) and a checkpoint
-hook, the in-place runs attend in pieces of rows of nearly equal work (`split_run`)
-and the runs of fresh chunks in groups of chunks, each piece timed for the slicer, with
-the hook between two pieces and after the decode rows.
+hook, the in-place runs attend in pieces of rows of nearly equal work (`split_run`),
+the runs of fresh chunks in groups of chunks and the other chunks in even ranges of
+rows, each piece timed for the slicer, with the hook between two pieces and after the
+decode rows.
 """
 
 from __future__ import annotations
@@ -432,15 +433,20 @@ def paged_attention(
     for span in meta.prefills:
         if span.mask is None or (in_place and span.in_place):
             continue
-        out[span.start : span.end] = sdpa_prefill(
-            query[span.start : span.end],
-            key_cache,
-            value_cache,
-            span.blocks,
-            span.context_len,
-            span.mask,
-            scale,
-        )
+        length = span.end - span.start  # each row attends the whole gathered context
+        parts = pieces.parts("sdpa masked", length * span.context_len)
+        for lo, hi in _even_cuts(length, parts):
+            rows = slice(span.start + lo, span.start + hi)
+            with pieces.piece("sdpa masked", (hi - lo) * span.context_len):
+                out[rows] = sdpa_prefill(
+                    query[rows],
+                    key_cache,
+                    value_cache,
+                    span.blocks,
+                    span.context_len,
+                    span.mask[lo:hi],
+                    scale,
+                )
     return out.view(num_tokens, num_heads * head_dim)
 
 

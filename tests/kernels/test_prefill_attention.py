@@ -29,8 +29,9 @@ def torch_paths(monkeypatch):
 def test_fresh_and_later_chunks_attend_as_each_row_on_its_own(
     torch_paths, dtype, block_major, sliced
 ) -> None:
-    """The same in pieces: each run of fresh chunks cut into one call a chunk, with a
-    checkpoint before each (after the decode rows too)."""
+    """The same in pieces: each run of fresh chunks cut into one call a chunk, and the
+    later chunk into one call a row, with a checkpoint before each (after the decode
+    rows too)."""
     # Two decode rows; three fresh prompts of 6 tokens (one run), a fresh one of 9, a
     # later chunk of a prompt (3 tokens in the cache), then another fresh one of 6
     # (a run of its own: not next to the first three).
@@ -74,7 +75,8 @@ def test_fresh_and_later_chunks_attend_as_each_row_on_its_own(
     scale = DIM**-0.5
     if sliced:
         out, checkpoints = attend_in_pieces(query, key, value, keys, values, meta, scale)
-        assert checkpoints == 3 + 1 + 1  # a chunk a piece, each after a checkpoint
+        # after a checkpoint each: a fresh chunk a piece, a row of the later chunk a piece
+        assert checkpoints == 3 + 1 + 1 + 5
     else:
         out = attention.paged_attention(query, key, value, keys, values, meta, scale)
 
