@@ -28,7 +28,8 @@ oneDNN kernels are built. A float32 copy's input is widened a range at a time.
 
 A prefill's attention is cut the same way (`attention_parts`, `kernels.attention`):
 the chunks of a step into pieces of nearly equal work, of rows (a cut may fall inside a
-chunk) for the compiled in-place kernel or of whole chunks for SDPA. Its cost is
+chunk) for the compiled in-place kernel, of whole chunks for SDPA's chunks that start
+their sequences, and of rows for SDPA's other chunks. Its cost is
 learned as it runs, per path: seconds per key attended, an exponential average of
 each piece's own (`ATTENTION_FOLLOW`), one piece until a piece was timed.
 
