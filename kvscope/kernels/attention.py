@@ -93,19 +93,17 @@ class PrefillRun:
     tables: torch.Tensor  # [chunks, max_blocks] block ids of each (padded with block 0)
     starts: torch.Tensor  # [chunks] int32
     offsets: torch.Tensor  # [chunks + 1] int32
-    #: The same starts and offsets on the host.
-    host_starts: tuple[int, ...] = ()
-    host_offsets: tuple[int, ...] = ()
+
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(first position, first row, end row) of each chunk, read off its tensors
+        (on the CPU: only CPU chunks attend in place, so reading them costs no sync)."""
+        offsets = self.offsets.tolist()
+        return list(zip(self.starts.tolist(), offsets, offsets[1:], strict=False))
 
     @property
     def keys(self) -> int:
         """The keys its rows attend, summed (its work)."""
-        return sum(
-            _chunk_keys(start, end - begin)
-            for start, begin, end in zip(
-                self.host_starts, self.host_offsets, self.host_offsets[1:], strict=False
-            )
-        )
+        return sum(_chunk_keys(start, end - begin) for start, begin, end in self.chunks())
 
 
 @attrs.frozen
@@ -241,16 +239,13 @@ def _prefill_runs(
         for row, (span, _) in enumerate(run):
             tables[row, : len(span.blocks)] = span.blocks.cpu()
         offsets = [span.start - first for span, _ in run] + [run[-1][0].end - first]
-        chunk_starts = [start for _, start in run]
         built.append(
             PrefillRun(
                 first,
                 run[-1][0].end,
                 tables.to(device),
-                torch.tensor(chunk_starts, dtype=torch.int32, device=device),
+                torch.tensor([start for _, start in run], dtype=torch.int32, device=device),
                 torch.tensor(offsets, dtype=torch.int32, device=device),
-                tuple(chunk_starts),
-                tuple(offsets),
             )
         )
     return tuple(built)
@@ -314,12 +309,12 @@ def split_run(run: PrefillRun, parts: int) -> list[PrefillRun]:
     before attention starts)."""
     if parts <= 1:
         return [run]
+    chunks = run.chunks()
+    first_rows = [begin for _, begin, _ in chunks]
     work = np.concatenate(
         [
             np.arange(start + 1, start + 1 + end - begin, dtype=np.int64)
-            for start, begin, end in zip(
-                run.host_starts, run.host_offsets, run.host_offsets[1:], strict=False
-            )
+            for start, begin, end in chunks
         ]
     ).cumsum()
     parts = min(parts, len(work))
@@ -327,21 +322,18 @@ def split_run(run: PrefillRun, parts: int) -> list[PrefillRun]:
     cuts = sorted({0, *(np.searchsorted(work, wanted) + 1).tolist(), len(work)})
     pieces = []
     for lo, hi in zip(cuts, cuts[1:], strict=False):
-        first = bisect.bisect_right(run.host_offsets, lo) - 1
-        last = bisect.bisect_left(run.host_offsets, hi) - 1
-        chunks = range(first, last + 1)
-        starts = [run.host_starts[c] + max(lo - run.host_offsets[c], 0) for c in chunks]
-        offsets = [max(run.host_offsets[c], lo) - lo for c in chunks] + [hi - lo]
-        device = run.starts.device
+        first = bisect.bisect_right(first_rows, lo) - 1
+        last = bisect.bisect_left(first_rows, hi) - 1
+        covered = chunks[first : last + 1]
+        starts = [start + max(lo - begin, 0) for start, begin, _ in covered]
+        offsets = [max(begin, lo) - lo for _, begin, _ in covered] + [hi - lo]
         pieces.append(
             PrefillRun(
                 run.start + lo,
                 run.start + hi,
                 run.tables[first : last + 1],
-                torch.tensor(starts, dtype=torch.int32, device=device),
-                torch.tensor(offsets, dtype=torch.int32, device=device),
-                tuple(starts),
-                tuple(offsets),
+                torch.tensor(starts, dtype=torch.int32, device=run.starts.device),
+                torch.tensor(offsets, dtype=torch.int32, device=run.starts.device),
             )
         )
     return pieces

@@ -54,8 +54,9 @@ output is concatenated: gate_up's pieces (of the bfloat16 weight or of its float
 copy) pair each gate column range with the same up range, so each piece's
 `silu_and_mul` writes its own columns of the activation (these pieces are copies, so
 only prepacked ones are made; past the budget gate_up is cut as any layer is), and
-down's pieces add the residual into their own columns of the output. (Cutting down by its input columns instead, adding partial products, would
-round each partial to bfloat16: not the layer's result.)
+down's pieces add the residual into their own columns of the output. (Cutting down by
+its input columns instead, adding partial products, would round each partial to
+bfloat16: not the layer's result.)
 """
 
 from __future__ import annotations
