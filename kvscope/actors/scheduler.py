@@ -163,6 +163,16 @@ class Scheduler:
                 self.pool.commit(seq.block_table[index], seq.block_hashes[index])
             seq.num_committed = full
 
+    def recompute_all(self) -> int:
+        """The K/V cache's contents are gone (the model worker that held them died):
+        every running sequence is preempted, to compute its tokens again, and the prefix
+        cache forgets its blocks. Returns how many were preempted."""
+        lost = [seq for seq in self.running if not seq.status.is_final]
+        for seq in lost:
+            self._preempt(seq)
+        self.pool.forget_contents()
+        return len(lost)
+
     # -- helpers --------------------------------------------------------------------
 
     def _push_waiting(self, seq: Sequence) -> None:

@@ -38,7 +38,7 @@ from kvscope.kernels.sampling import Sampled
 from kvscope.models.llama import StepAborted
 from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
 from kvscope.models.warm_up import WarmUp
-from kvscope.models.worker import ProcessRunner
+from kvscope.models.worker import KVCacheLost, ProcessRunner
 
 from .messages import StepStatistics
 from .scheduler import ScheduledStep, Scheduler
@@ -127,6 +127,8 @@ class StepActor:
 
     async def _steps(self) -> None:
         while True:
+            if isinstance(self.runner, ProcessRunner) and self.runner.cache_lost:
+                self._recompute_lost_cache(self.runner)
             step = self.scheduler.schedule() if self.scheduler.has_work() else None
             if step is not None:
                 self.preemptions += len(step.preempted)
@@ -171,6 +173,8 @@ class StepActor:
                 tokens = await self._forward(work)
         except StepAborted:
             self.aborted_steps += 1
+        except KVCacheLost:
+            pass  # it ran nothing; its requests recompute (the loop's next pass)
         except Exception as exc:  # a model failure fails this step's requests, not the engine
             log.exception("model step failed")
             failure = exc
@@ -186,6 +190,19 @@ class StepActor:
         self._deliver(live, tokens, failure)
         if self._on_step is not None:
             self._on_step(started, forward_seconds, len(live))
+
+    def _recompute_lost_cache(self, runner: ProcessRunner) -> None:
+        """The model worker went away with the K/V cache's contents: the running
+        requests compute their tokens again, on the next worker."""
+        losses = runner.caches_lost
+        recomputed = self.scheduler.recompute_all()
+        self.preemptions += recomputed
+        runner.recovered(losses)
+        log.warning(
+            "the model worker's K/V cache is gone with it: %d running request(s) compute"
+            " their tokens again, and the prefix cache is emptied",
+            recomputed,
+        )
 
     async def _warm_up_once(self) -> None:
         """Run the next warm-up step in the model thread; a wake-up stops it."""

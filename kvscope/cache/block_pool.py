@@ -182,6 +182,15 @@ class BlockPool:
                 hits.append(block)
         return hits
 
+    def forget_contents(self) -> None:
+        """The K/V tensors' contents are gone (a model worker died with them): no block
+        names cached content any more. Cached blocks become free; blocks in use are
+        freed, not cached, when released."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+
     # -- checking ---------------------------------------------------------------
 
     def check_integrity(self) -> None:

@@ -6,9 +6,10 @@ block-major or head-major, as `attention.block_major_cache` says for the device)
 offset `s % block_size`. Which block belongs to whom is the `BlockPool`'s business; this class
 only holds the memory and copies blocks for copy-on-write.
 
-It also tells Linux how the memory is used: huge pages where they can be had (its own
-memory; `advise_huge_pages`), and, in the model worker, every page of the shared cache
-mapped in before the first step (`map_in`).
+It also tells Linux how the memory is used: huge pages where they can be had
+(`advise_huge_pages`). Shared memory gets none while Linux's shmem setting is `never`, its
+default, so the model worker takes the cache its engine shared with it over as memory of
+its own at its hand-over (`taken_over`), and gives the shared pages back.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 
 from kvscope.kernels.attention import block_major_cache
 
-#: Linux's `madvise` advice: transparent huge pages; map the pages in, writable.
+#: Linux's `madvise` advice: transparent huge pages; free a shared range's memory.
 _MADV_HUGEPAGE = 14
-_MADV_POPULATE_WRITE = 23
+_MADV_REMOVE = 9
 #: Page sizes on x86-64: small, and transparent huge.
 _PAGE = 4096
 _HUGE_PAGE = 2 << 20
@@ -59,20 +60,47 @@ class KVCache:
         self.keys = [allocate() for _ in range(num_layers)]
         self.values = [allocate() for _ in range(num_layers)]
 
+    @classmethod
+    def _of(cls, block_size: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> KVCache:
+        cache = cls.__new__(cls)
+        cache.block_size, cache.keys, cache.values = block_size, keys, values
+        return cache
+
     def share_memory(self) -> None:
         """Move the K/V tensors to shared memory (for a model worker process)."""
         for cache in (*self.keys, *self.values):
             cache.share_memory_()
 
-    def map_in(self) -> None:
-        """Map every page of the K/V tensors into this process now (the model worker, at
-        its start, for the cache the engine shared with it), so that no step pays the
-        page faults of its first touch: 131,072 for the reference model's 512 MiB, ~50,000
-        of them in a run of 64 requests of 384 tokens, most during the first prefills
-        (`madvise(MADV_POPULATE_WRITE)`, 37 ms for the whole cache on the 2-core machine).
-        Nothing happens where Linux (before 5.14) or the platform lacks the call."""
-        for cache in (*self.keys, *self.values):
-            _madvise(cache, _MADV_POPULATE_WRITE, whole_pages=False)
+    def taken_over(self, *, keep_contents: bool) -> KVCache:
+        """(the model worker, at its hand-over) This shared cache as memory of this
+        process's own, on huge pages where Linux gives them, mapped in before the first
+        step. Each tensor in turn is allocated in the same layout, filled (copied where
+        `keep_contents`, the engine having run steps on it; else zeros), and its shared
+        pages given back (`MADV_REMOVE`: the engine's view then reads zeros), so the two
+        copies never hold more than one layer's tensor twice.
+
+        The decode reads its sequences' blocks wherever the pool put them, a TLB miss a
+        block on shared memory's 4 KiB pages: on the AVX2 machine, the compiled decode
+        kernel for 32 rows at context 384, 8 layers, took 13.7-18.0 ms a step on memory
+        of its own against 15.9-19.0 on shared memory (medians ~14.3 against ~18.5;
+        docs/benchmarks/README.md, session 23). Where `MADV_REMOVE` is refused, both
+        copies stay."""
+
+        def own(shared: torch.Tensor) -> torch.Tensor:
+            tensor = torch.empty_strided(
+                shared.shape, shared.stride(), dtype=shared.dtype, device=shared.device
+            )
+            advise_huge_pages(tensor)  # before the first touch, which the fill is
+            if keep_contents:
+                tensor.copy_(shared)
+            else:
+                tensor.zero_()
+            _madvise(shared, _MADV_REMOVE, _PAGE)
+            return tensor
+
+        return KVCache._of(
+            self.block_size, [own(t) for t in self.keys], [own(t) for t in self.values]
+        )
 
     @staticmethod
     def bytes_per_block(
@@ -101,20 +129,17 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
     Only memory of this process's own gets them (the thread worker's cache, an engine
     in-process); shared memory (the process worker's) takes the kernel's shmem setting,
     off by default. Nothing happens where the call or the advice is not there."""
-    _madvise(tensor, _MADV_HUGEPAGE, whole_pages=True)
+    _madvise(tensor, _MADV_HUGEPAGE, _HUGE_PAGE)
 
 
-def _madvise(tensor: torch.Tensor, advice: int, *, whole_pages: bool) -> None:
-    """`madvise` over a CPU tensor's storage: only the huge pages wholly inside it
-    (`whole_pages`), or every small page it touches; errors are ignored."""
+def _madvise(tensor: torch.Tensor, advice: int, page: int) -> None:
+    """`madvise` over the `page`-sized pages wholly inside a CPU tensor's storage;
+    errors are ignored."""
     if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
         return
     start = tensor.untyped_storage().data_ptr()
     end = start + tensor.untyped_storage().nbytes()
-    if whole_pages:
-        first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
-    else:
-        first, last = start // _PAGE * _PAGE, end
+    first, last = -(-start // page) * page, end // page * page
     if last <= first:
         return
     try:

@@ -9,8 +9,13 @@ to wake and no GIL to pass each way.
 
 What is shared, and how:
 
-* the K/V cache is in shared memory, allocated by the engine and mapped by the worker;
-  it outlives a worker, so a restarted one finds every cached block intact;
+* the K/V cache is allocated by the engine in shared memory, where its own copy of the
+  model runs the steps until a worker is ready; at the hand-over (no step runs
+  meanwhile) the worker takes it over as memory of its own, on huge pages
+  (`KVCache.taken_over`), and the shared pages are given back. A worker that exits
+  takes the cache's contents with it: the step actor then has every running request
+  recompute its tokens and the prefix cache forget its blocks (`cache_lost`), and a
+  step sent before that fails with `KVCacheLost`, having run nothing;
 * the step's control block is one shared byte for "abort" and one per chunk for
   "cancelled": the loop writes them (`SharedStepControl`) and the worker's checkpoints
   read them (one copy at a time, `WorkerControl`), with no message in between;
@@ -26,7 +31,8 @@ What is shared, and how:
 Until the first worker is ready the engine's own copy of the model runs the steps, so
 it serves at once; then that copy releases its weights (the model is not held twice).
 If the worker dies, the step in flight fails with `WorkerDied` (its requests end with
-an error; their tasks release their blocks), and a new worker is started (`restarts`
+an error; their tasks release their blocks), the other running requests recompute their
+tokens (the cache went with the worker), and a new worker is started (`restarts`
 counts them); steps wait for it. Only if a worker fails to start does the engine load
 the model again and run the steps itself.
 """
@@ -122,6 +128,11 @@ GOMP_SPINCOUNT = 3_000_000
 
 class WorkerDied(RuntimeError):
     """The model worker process exited while a step needed it."""
+
+
+class KVCacheLost(RuntimeError):
+    """A step was sent after the worker holding the K/V cache went away and before the
+    step actor had its running requests recompute (it ran nothing)."""
 
 
 @attrs.frozen
@@ -257,7 +268,6 @@ def worker_main(
             spec.model, device=torch.device(spec.device), dtype=spec.dtype, seed=spec.seed
         )
         runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
-        kv_cache.map_in()
         warm_up_now(runner, spec.warm_up_tokens)  # the engine serves meanwhile
         control = WorkerControl(flags.numpy())
     except Exception as exc:
@@ -267,9 +277,12 @@ def worker_main(
         log.exception("the model worker could not load the model")
         conn.send(("failed", f"{exc!r}"))
         return
-    conn.send(("ready", os.getpid()))
+    conn.send(("loaded",))
     decoder = StepDecoder()
     try:
+        # The hand-over: the engine runs no step until this answers (`ProcessRunner.start`).
+        runner.kv_cache = kv_cache.taken_over(keep_contents=conn.recv())
+        conn.send(("ready", os.getpid()))
         while (message := conn.recv()) is not None:
             step = decoder.decode(message)
             control.reset()
@@ -367,7 +380,12 @@ class ProcessRunner:
         self._changed = threading.Condition(self._lock)  # a worker is ready, or none will be
         self._stopping = False
         self._gave_up = False  # a worker failed to start: no other is coming
+        self._local_ran = False  # the engine's copy ran steps: the cache holds their K/V
         self.restarts = 0
+        #: Workers that went away holding the K/V cache, and how many of those losses
+        #: the step actor has recovered from (`recovered`).
+        self.caches_lost = 0
+        self._caches_recovered = 0
 
     @property
     def model_bytes(self) -> int:
@@ -383,9 +401,22 @@ class ProcessRunner:
     def new_control(self) -> StepControl:
         return SharedStepControl(self._flags.numpy())
 
+    @property
+    def cache_lost(self) -> bool:
+        """A worker went away with the K/V cache's contents, and no step may run until
+        the step actor has had the requests that were in it recompute (`recovered`)."""
+        return self.caches_lost != self._caches_recovered
+
+    def recovered(self, losses: int) -> None:
+        """(step actor) Every loss up to the `losses`-th is recovered from."""
+        self._caches_recovered = losses
+
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         with self._lock:
+            if self.cache_lost:
+                raise KVCacheLost("the model worker holding the K/V cache went away")
             if self._conn is None and self._wait_for_worker(control) is None:
+                self._local_ran = True
                 return self.local.execute(step, control)
             assert self._conn is not None
             try:
@@ -412,7 +443,7 @@ class ProcessRunner:
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            if self._pipe is None:
+            if self._pipe is None or self.cache_lost:
                 return None
             # Shielded: once sent, the answer must be read, as `execute` in a thread would.
             with anyio.CancelScope(shield=True):
@@ -496,6 +527,9 @@ class ProcessRunner:
             message = ("failed", f"it exited while loading the model ({MAIN_GUARD_HINT})")
         with self._lock:
             self._changed.notify_all()
+            if message[0] == "loaded" and not self._stopping:
+                message = _hand_over(parent, keep_contents=self._local_ran)
+                self._local_ran = False
             if message[0] != "ready" or self._stopping:
                 parent.close()
                 _reap(process, 0.0 if self._stopping else 1.0)
@@ -546,14 +580,28 @@ class ProcessRunner:
             self._lock.release()
 
     def _drop_worker(self, timeout: float) -> int | None:
-        """Forget the worker (steps run locally again) and reap it; its exit code."""
+        """Forget the worker and the K/V cache's contents it held, and reap it; its
+        exit code."""
         process, conn, pipe = self._process, self._conn, self._pipe
+        if conn is not None:
+            self.caches_lost += 1
         self._process = self._conn = self._pipe = self._encoder = None
         if pipe is not None:
             pipe.close()
         if conn is not None:
             conn.close()
         return _reap(process, timeout) if process is not None else None
+
+
+def _hand_over(conn: Connection, *, keep_contents: bool) -> tuple[Any, ...]:
+    """(lock held: no step runs) Have a loaded worker take the K/V cache over, copying
+    its contents where the engine's own copy of the model ran steps on it; the
+    worker's answer, `("ready", pid)` once it has."""
+    try:
+        conn.send(keep_contents)
+        return conn.recv()  # type: ignore[no-any-return]
+    except (EOFError, OSError):
+        return ("failed", "it exited while taking the K/V cache over")
 
 
 def room_for_a_second_copy(model_bytes: int, free_bytes: int | None) -> bool:

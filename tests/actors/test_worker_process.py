@@ -133,6 +133,74 @@ async def test_a_step_waiting_for_the_new_worker_ends_when_its_requests_leave():
     assert gone(pid) and gone(new_pid)
 
 
+#: A prompt of a few full blocks, so that a second request for it finds them cached.
+CACHED_PROMPT = "a prompt long enough to fill more than one block of the cache " * 3
+
+
+async def test_blocks_computed_before_the_worker_was_ready_serve_after_it():
+    """The engine's own copy of the model runs the first steps, on the cache it shares;
+    the worker takes the cache over with those blocks in it, so a prompt cached then is
+    reused after, with the same tokens."""
+    async with open_engine(worker="process") as engine:
+        before = await engine.generate(CACHED_PROMPT, max_tokens=12, temperature=0)
+        assert engine.stats()["worker_pid"] == 0  # it ran in-process (a worker boots in seconds)
+        await worker_ready(engine)
+        reused = engine.stats()["prompt_tokens_reused"]
+        after = await engine.generate(CACHED_PROMPT, max_tokens=12, temperature=0)
+        assert engine.stats()["prompt_tokens_reused"] > reused  # its blocks were found
+        assert after.token_ids == before.token_ids
+
+
+async def test_a_dead_workers_cache_is_not_reused():
+    """A worker that exits takes the cache's contents with it: the prefix cache forgets
+    every block, and the same prompt is computed again, to the same tokens."""
+    async with open_engine(worker="process") as engine:
+        pid = await worker_ready(engine)
+        before = await engine.generate(CACHED_PROMPT, max_tokens=12, temperature=0)
+        os.kill(pid, signal.SIGKILL)  # between requests: no step fails
+        await wait_for(lambda: engine.stats()["worker_pid"] != pid, timeout=BOOT)
+        reused = engine.stats()["prompt_tokens_reused"]
+        after = await engine.generate(CACHED_PROMPT, max_tokens=12, temperature=0)
+        assert engine.stats()["prompt_tokens_reused"] == reused  # nothing found cached
+        assert after.token_ids == before.token_ids
+        new_pid = await worker_ready(engine)
+    assert gone(pid) and gone(new_pid)
+
+
+async def test_a_request_the_dead_worker_held_computes_its_tokens_again():
+    """A worker that dies between two steps of a request takes its K/V with it: the
+    request is not failed (no step of it failed) but computes its tokens again on the
+    next worker, and ends as it would have."""
+    generation = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    async with open_engine(seed=3) as engine:
+        expected = (await engine.generate("recompute me", **generation)).token_ids
+    async with open_engine(worker="process", seed=3) as engine:
+        pid = await worker_ready(engine)
+        hold, held, release = threading.Event(), threading.Event(), threading.Event()
+
+        def hold_the_next_step() -> None:
+            if hold.is_set():
+                held.set()
+                release.wait(30)
+
+        engine.before_forward.append(hold_the_next_step)  # steps go through the model thread
+        job = await engine.submit("recompute me", **generation)
+        await wait_for(lambda: len(job.info().token_ids) >= 3)
+        hold.set()
+        assert await anyio.to_thread.run_sync(held.wait, 10), "no step held"
+        preemptions = engine.step_statistics().preemptions
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(lambda: engine.stats()["worker_pid"] != pid, timeout=BOOT)
+        hold.clear()
+        release.set()  # the held step is sent now, after the worker went away
+        with anyio.fail_after(BOOT):
+            result = await job.wait()
+        assert result.finish_reason == "length" and result.token_ids == expected
+        assert engine.step_statistics().preemptions == preemptions + 1
+        new_pid = await worker_ready(engine)
+    assert gone(pid) and gone(new_pid)
+
+
 async def test_the_engine_releases_its_copy_of_the_model_once_the_worker_is_ready():
     async with open_engine() as engine:
         in_thread = engine.stats()["model_bytes"]

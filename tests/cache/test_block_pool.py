@@ -102,6 +102,23 @@ def test_same_content_in_two_blocks_caches_only_one():
     assert pool.num_cached == 1 and pool.num_free == 1
 
 
+def test_forgetting_the_contents_frees_cached_blocks_and_uncaches_held_ones():
+    """A model worker died with the K/V tensors' contents: no block is found by its hash
+    any more, cached ones are free at once, and a block still held is freed (not
+    cached) when released."""
+    pool = BlockPool(3)
+    held, cached, _ = pool.allocate(3)
+    pool.commit(held, block_hash(None, [1]))
+    pool.commit(cached, block_hash(None, [2]))
+    pool.release([cached])
+    pool.forget_contents()
+    assert pool.lookup([block_hash(None, [1])]) == [] == pool.lookup([block_hash(None, [2])])
+    assert (pool.num_free, pool.num_cached, pool.num_in_use) == (1, 0, 2)
+    pool.release([held])
+    assert (pool.num_free, pool.num_cached) == (2, 0)
+    pool.check_integrity()
+
+
 def test_prefix_caching_disabled_caches_nothing():
     pool = BlockPool(2, enable_prefix_caching=False)
     (a,) = pool.allocate(1)

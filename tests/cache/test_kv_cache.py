@@ -103,34 +103,50 @@ def test_the_cpu_cache_asks_for_huge_pages() -> None:
         assert not tensor.any()  # still zeros, as before
 
 
-def _touch_and_count_faults(kv: KVCache, map_in: bool, answer) -> None:
-    """(a spawned child) Write one element a page of each tensor; report the faults."""
-    if map_in:
-        kv.map_in()
+def _pattern(index: int, tensor: torch.Tensor) -> torch.Tensor:
+    """What tensor `index` of the shared cache is filled with: small integers, exact in
+    bfloat16, that differ from slot to slot (a copy in another layout would show)."""
+    values = torch.arange(tensor.numel()).remainder(251).add(index + 1)
+    return values.to(tensor.dtype).view(tensor.shape)
+
+
+def _take_over(kv: KVCache, keep_contents: bool, answer) -> None:
+    """(a spawned child, as the model worker) Take the shared cache over; report whether
+    it holds what it should, and the page faults of a write to every page of it."""
+    own = kv.taken_over(keep_contents=keep_contents)
+    tensors = (*own.keys, *own.values)
+    held = all(
+        torch.equal(t, _pattern(i, t) if keep_contents else torch.zeros_like(t))
+        and t.stride() == shared.stride()
+        for i, (t, shared) in enumerate(zip(tensors, (*kv.keys, *kv.values), strict=True))
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for tensor in (*kv.keys, *kv.values):
+    for tensor in tensors:
         tensor.view(-1)[:: 4096 // tensor.element_size()] = 1
-    answer.put(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    answer.put((held, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_POPULATE_WRITE) is Linux's")
-@pytest.mark.parametrize("map_in", [False, True])
-def test_a_worker_maps_the_shared_cache_in_before_its_first_step(map_in: bool) -> None:
-    """The model worker maps the cache the engine shared with it at its start, so its
-    steps take no page fault on a block's first write."""
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_REMOVE) is Linux's")
+@pytest.mark.parametrize("keep_contents", [True, False], ids=["copied", "fresh"])
+def test_a_worker_takes_the_shared_cache_over_as_its_own(keep_contents: bool) -> None:
+    """At its hand-over the model worker takes the cache the engine shared with it over
+    as memory of its own (huge pages where Linux gives them, which shared memory gets
+    by default not): the same layout, the engine's blocks copied where it ran steps,
+    every page mapped in before the first step, and the shared pages given back."""
     kv = KVCache(
         num_layers=2, num_blocks=256, block_size=16, num_kv_heads=4, head_dim=64,
         dtype=torch.bfloat16, device=CPU,
     )  # fmt: skip
     kv.share_memory()
+    for index, tensor in enumerate((*kv.keys, *kv.values)):
+        tensor.copy_(_pattern(index, tensor))
     pages = sum(t.untyped_storage().nbytes() for t in (*kv.keys, *kv.values)) // 4096
     context = torch.multiprocessing.get_context("spawn")
     answer = context.Queue()
-    child = context.Process(target=_touch_and_count_faults, args=(kv, map_in, answer))
+    child = context.Process(target=_take_over, args=(kv, keep_contents, answer))
     child.start()
-    faults = answer.get(timeout=120)
+    held, faults = answer.get(timeout=120)
     child.join(60)
-    if map_in:
-        assert faults < pages // 10
-    else:
-        assert faults >= pages // 2  # what the mapping saves
+    assert held
+    assert faults < pages // 10  # mapped in by the copy (or the zeros)
+    assert not any(t.any() for t in (*kv.keys, *kv.values))  # the shared pages went back
