@@ -1,5 +1,6 @@
 """How the server's threads ask Linux's scheduler for the CPU: the event loop's thread
-asks for short time slices, and the model's threads run as a batch job.
+asks for short time slices, the model's threads run as a batch job, and a model worker
+with fewer threads than cores keeps to cores of its own.
 
 Where the model fills every core, a woken event loop waits for a model thread to give up
 its CPU. Linux's EEVDF scheduler (6.6 on) runs the eligible thread whose virtual
@@ -42,6 +43,16 @@ under `REALTIME_RESUME_BUSY` again. The same `bench cancel` round with and witho
 passes over 3 ms against 28-42, a loop-lag p99 of 0.9-1.3 against 4.3-6.8 ms
 (docs/benchmarks/README.md, session 21).
 
+A model worker process whose threads are fewer than the cores it may use keeps to the
+last of them (`model_cores`, `keep_to_cores`), leaving the first to the event loop,
+hypercorn and whatever serves beside them, as vLLM's CPU build keeps a core for its API
+server (`VLLM_CPU_NUM_OF_RESERVED_CPU`). Unpinned, a client woken on the core the model
+holds waits for the next tick: measured with `taskset` from outside (session 26, process
+worker, 1 thread, `bench cancel`, alternating runs), the DELETE's answer went from
+written to read in 0.73-0.81 ms against 1.6-1.9 in three runs of four. Where the user
+binds OpenMP's threads themselves (`OPENMP_BINDINGS`), the worker keeps the cores it was
+given.
+
 Elsewhere (not Linux, a kernel before 6.12 for the slices, a seccomp filter that
 refuses the call, no privilege for the real-time policy) nothing changes, and
 `ask_for_short_slices` and `ask_for_realtime` say why.
@@ -57,6 +68,7 @@ import platform
 import struct
 import threading
 import time
+from collections.abc import Mapping
 
 import anyio
 
@@ -74,6 +86,10 @@ REALTIME_MOST_BUSY = 0.5
 REALTIME_RESUME_BUSY = 0.25
 #: Seconds over which the loop's share of its core is measured.
 REALTIME_WINDOW = 1.0
+
+#: Variables with which a user binds OpenMP's threads to cores: where one is set, the
+#: model worker keeps every core it was given.
+OPENMP_BINDINGS = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 _SCHED_OTHER = 0
 _SCHED_BATCH = 3
@@ -221,13 +237,17 @@ def as_model_thread() -> None:
 def every_thread_as_model_thread() -> None:
     """(the model worker process, at its start) The batch policy and the default slice
     for each thread this process has; the ones it starts later inherit them."""
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    for tid in threads:
+    for tid in threads_of_this_process():
         _batch_policy(tid)
     _defaults.done = True
+
+
+def threads_of_this_process() -> list[int]:
+    """The ids of this process's threads (0, the calling one, where there is no /proc)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def _batch_policy(tid: int) -> None:
@@ -242,3 +262,31 @@ def _batch_policy(tid: int) -> None:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
         except OSError:
             pass
+
+
+def model_cores(
+    threads: int | None, allowed: set[int], environ: Mapping[str, str]
+) -> frozenset[int] | None:
+    """The cores a model worker of `threads` threads keeps to: the last `threads` of the
+    `allowed` ones; None (all of them) where its threads fill them (`threads` None is
+    torch's default, one a core) or the user binds OpenMP's threads (`OPENMP_BINDINGS`)."""
+    if not threads or threads >= len(allowed) or any(name in environ for name in OPENMP_BINDINGS):
+        return None
+    return frozenset(sorted(allowed)[-threads:])
+
+
+def allowed_cores() -> set[int]:
+    """The cores this process may run on (every core where the OS does not say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
+def keep_to_cores(cores: frozenset[int]) -> None:
+    """(the model worker process, at its start) Each thread it has on `cores`; the ones it
+    starts later inherit them."""
+    for tid in threads_of_this_process():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:
+            pass  # it ended since the listing

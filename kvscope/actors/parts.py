@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ from kvscope.kernels.device import select_device
 from kvscope.models.loader import LoadedModel, load_model
 from kvscope.models.runner import ModelRunner
 from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
+from kvscope.scheduling import allowed_cores, model_cores
 
 from .scheduler import Scheduler
 
@@ -58,6 +60,10 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
             engine_config.checkpoint_gap,
             engine_config.worker_nice,
             engine_config.max_num_batched_tokens,
+            # On a CPU the forward's threads keep to cores of their own (`scheduling.py`).
+            model_cores(threads, allowed_cores(), os.environ)
+            if torch_device.type == "cpu"
+            else None,
         )
     return build_parts(loaded, engine_config, torch_device, worker)
 

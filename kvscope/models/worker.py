@@ -56,7 +56,7 @@ import torch.multiprocessing
 
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.sampling import Sampled
-from kvscope.scheduling import every_thread_as_model_thread
+from kvscope.scheduling import every_thread_as_model_thread, keep_to_cores, threads_of_this_process
 
 from .llama import StepAborted
 from .loader import load_model
@@ -148,6 +148,8 @@ class WorkerSpec:
     nice: int = 0
     #: The step budget the worker warms up for before it is ready (`models/warm_up.py`).
     warm_up_tokens: int = 0
+    #: The cores the worker keeps to (`scheduling.model_cores`); None: every core.
+    cores: frozenset[int] | None = None
 
 
 class SharedFlag:
@@ -261,6 +263,8 @@ def worker_main(
     if spec.nice:
         _nice_every_thread(spec.nice)  # before torch starts its threads, which inherit it
     every_thread_as_model_thread()  # the parent's thread that started it asked for short slices
+    if spec.cores is not None:
+        keep_to_cores(spec.cores)  # before torch starts its threads, which inherit them
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
@@ -338,13 +342,9 @@ def _nice_every_thread(increment: int) -> None:
     so the threads already running (one starts before `worker_main`) are set one by one;
     the ones started later inherit it from their creator."""
     value = os.nice(increment)
-    try:
-        threads = os.listdir("/proc/self/task")
-    except OSError:
-        return  # no /proc: this thread is niced, and what it starts
-    for thread in threads:
+    for thread in threads_of_this_process():
         try:
-            os.setpriority(os.PRIO_PROCESS, int(thread), value)
+            os.setpriority(os.PRIO_PROCESS, thread, value)
         except ProcessLookupError:
             pass  # it ended since the listing
 
@@ -545,7 +545,9 @@ class ProcessRunner:
             f"; the engine's copy of the model freed {released / 2**20:.0f} MiB" if released else ""
         )
         elapsed = time.perf_counter() - started
-        log.info("model worker pid %d ready in %.1f s%s", process.pid, elapsed, freed)
+        cores = self.spec.cores
+        kept = "" if cores is None else f" on cores {','.join(map(str, sorted(cores)))}"
+        log.info("model worker pid %d ready%s in %.1f s%s", process.pid, kept, elapsed, freed)
 
     def wait_exited(self) -> None:
         """(blocking) Return when the current worker has exited."""
