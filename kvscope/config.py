@@ -10,6 +10,8 @@ from __future__ import annotations
 import attrs
 from attrs import validators as v
 
+from kvscope.scheduling import allowed_cores, listed_cores
+
 _positive = v.gt(0)
 
 #: Bytes of prompt allowed per token of context when `max_prompt_bytes` is None: more
@@ -91,6 +93,16 @@ class EngineConfig:
     #: throughput there: 32 streams took 6 percent longer (15.5 against 14.5 s, 4 runs
     #: each), the forward's threads being preempted more often. 0 shares the CPU evenly.
     worker_nice: int = attrs.field(default=10, validator=[v.ge(0), v.le(19)])
+    #: The cores the model worker process keeps to: "auto" (where the model has fewer
+    #: threads than this process has cores, the last ones, one a thread, leaving the
+    #: others to the event loop), "all", or a comma-separated list such as "2,3".
+    worker_cores: str = attrs.field(default="auto", validator=v.matches_re(r"auto|all|\d+(,\d+)*"))
+
+    @worker_cores.validator
+    def _cores_this_process_has(self, attribute: attrs.Attribute[str], value: str) -> None:
+        if value not in ("auto", "all"):
+            listed_cores(value, allowed_cores())
+
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0
     #: What every generated request id starts with; a replica puts its own name in it

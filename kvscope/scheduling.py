@@ -44,7 +44,8 @@ passes over 3 ms against 28-42, a loop-lag p99 of 0.9-1.3 against 4.3-6.8 ms
 (docs/benchmarks/README.md, session 21).
 
 A model worker process whose threads are fewer than the cores it may use keeps to the
-last of them (`model_cores`, `keep_to_cores`), leaving the first to the event loop,
+last of them (`model_cores`, `keep_to_cores`; `worker_cores` lists others, or "all"
+keeps every core, as Ray Serve replicas do), leaving the first to the event loop,
 hypercorn and whatever serves beside them, as vLLM's CPU build keeps a core for its API
 server (`VLLM_CPU_NUM_OF_RESERVED_CPU`). Unpinned, a client woken on the core the model
 holds waits for the next tick: measured with `taskset` from outside (session 26, process
@@ -265,14 +266,29 @@ def _batch_policy(tid: int) -> None:
 
 
 def model_cores(
-    threads: int | None, allowed: set[int], environ: Mapping[str, str]
+    setting: str, threads: int | None, allowed: set[int], environ: Mapping[str, str]
 ) -> frozenset[int] | None:
-    """The cores a model worker of `threads` threads keeps to: the last `threads` of the
-    `allowed` ones; None (all of them) where its threads fill them (`threads` None is
-    torch's default, one a core) or the user binds OpenMP's threads (`OPENMP_BINDINGS`)."""
+    """The cores a model worker of `threads` threads keeps to, by `setting`
+    (`EngineConfig.worker_cores`): the cores it lists (`listed_cores`); "auto", the last
+    `threads` of the `allowed` ones, or None (every core) where its threads fill them
+    (`threads` None is torch's default, one a core) or the user binds OpenMP's threads
+    (`OPENMP_BINDINGS`); "all", None."""
+    if setting == "all":
+        return None
+    if setting != "auto":
+        return listed_cores(setting, allowed)
     if not threads or threads >= len(allowed) or any(name in environ for name in OPENMP_BINDINGS):
         return None
     return frozenset(sorted(allowed)[-threads:])
+
+
+def listed_cores(setting: str, allowed: set[int]) -> frozenset[int]:
+    """The cores of a list such as "2,3"; a `ValueError` if one is not `allowed`."""
+    cores = frozenset(int(core) for core in setting.split(","))
+    if not cores <= allowed:
+        may_use = ",".join(map(str, sorted(allowed)))
+        raise ValueError(f"worker_cores {setting}: this process may use only cores {may_use}")
+    return cores
 
 
 def allowed_cores() -> set[int]:

@@ -1,6 +1,6 @@
 """The event loop's thread asks for short scheduler slices and, where the OS allows it,
-a real-time priority; the model's threads run as a batch job with the default slice
-(`kvscope.scheduling`). The slices' tests are skipped where the kernel has no
+a real-time priority; the model's threads run as a batch job with the default slice,
+on cores of their own where they are fewer than the cores (`kvscope.scheduling`). The slices' tests are skipped where the kernel has no
 per-thread slices, the real-time ones where this process may not take the policy."""
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from kvscope.config import EngineConfig
 from kvscope.scheduling import (
     LOOP_PRIORITY,
     LOOP_SLICE,
+    OPENMP_BINDINGS,
     RealtimeLoop,
     as_model_thread,
     ask_for_realtime,
     ask_for_short_slices,
     current_slice,
+    model_cores,
 )
 from kvscope.web.settings import ServerSettings
 from tests.conftest import skip_without_realtime, thread_policy, without_realtime
@@ -214,3 +217,35 @@ def test_hold_measures_the_loops_share_of_its_core(backend: str) -> None:
         return left, back
 
     assert _in_thread(lambda: anyio.run(main, backend=backend)) == (os.SCHED_OTHER, os.SCHED_FIFO)
+
+
+def test_a_model_with_fewer_threads_than_cores_keeps_to_the_last_of_them() -> None:
+    assert model_cores("auto", 1, {0, 1}, {}) == {1}
+    assert model_cores("auto", 2, {0, 1, 2, 3}, {}) == {2, 3}
+    assert model_cores("auto", 1, {5, 3}, {}) == {5}  # the cores it may use, not 0..n
+
+
+def test_a_model_that_fills_the_cores_or_is_bound_by_the_user_keeps_every_core() -> None:
+    assert model_cores("auto", 2, {0, 1}, {}) is None
+    assert model_cores("auto", 4, {0, 1}, {}) is None
+    assert model_cores("auto", None, {0, 1}, {}) is None  # torch's default: a thread a core
+    for name in OPENMP_BINDINGS:
+        assert model_cores("auto", 1, {0, 1}, {name: "anything"}) is None
+    assert model_cores("all", 1, {0, 1}, {}) is None
+
+
+def test_listed_cores_are_kept_to_if_this_process_may_use_them() -> None:
+    assert model_cores("0", 1, {0, 1}, {}) == {0}
+    assert model_cores("1,3", 2, {0, 1, 2, 3}, {"OMP_PROC_BIND": "close"}) == {1, 3}
+    with pytest.raises(ValueError, match="worker_cores 0,7: this process may use only cores 0,1"):
+        model_cores("0,7", 1, {0, 1}, {})
+
+
+def test_the_setting_takes_auto_all_or_cores_this_process_may_use() -> None:
+    assert EngineConfig().worker_cores == "auto"
+    mine = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    for good in ("auto", "all", mine):
+        assert EngineConfig(worker_cores=good).worker_cores == good
+    for bad in ("", "some", "1-3", "0,", str(max(os.sched_getaffinity(0)) + 1)):
+        with pytest.raises(ValueError, match="worker_cores"):
+            EngineConfig(worker_cores=bad)

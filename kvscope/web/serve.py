@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 import anyio
+import attrs
 
+from kvscope.config import EngineConfig
 from kvscope.options import add_engine_arguments, engine_kwargs
 from kvscope.scheduling import LOOP_PRIORITY
 
@@ -39,6 +41,10 @@ EXAMPLE_PROMPT = "def fibonacci(n):"
 #: default stays "thread", for embedding.)
 SERVED_WORKER = "process"
 REPLICA_WORKER = "thread"
+#: The cores a served model worker process keeps to (`scheduling.model_cores`); every
+#: core for a replica's, since the replicas on one machine would each take the same ones.
+SERVED_WORKER_CORES = attrs.fields(EngineConfig).worker_cores.default
+REPLICA_WORKER_CORES = "all"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(
         parser,
-        defaults={"worker": (None, f"{SERVED_WORKER}; {REPLICA_WORKER} with --replicas")},
+        defaults={
+            "worker": (None, f"{SERVED_WORKER}; {REPLICA_WORKER} with --replicas"),
+            "worker_cores": (
+                None,
+                f"{SERVED_WORKER_CORES}; {REPLICA_WORKER_CORES} with --replicas",
+            ),
+        },
     )
 
 
@@ -128,6 +140,8 @@ def read_key_file(path: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.worker is None:
         args.worker = REPLICA_WORKER if args.replicas else SERVED_WORKER
+    if args.worker_cores is None:
+        args.worker_cores = REPLICA_WORKER_CORES if args.replicas else SERVED_WORKER_CORES
     try:
         settings = settings_from(args)
         kwargs = engine_kwargs(args)

@@ -3,7 +3,8 @@ runner, cancellation that frees blocks, a worker killed with SIGKILL (its step's
 requests fail with a clear error, nothing leaks, a new worker serves the next request),
 an engine closed mid-step (the worker is stopped and reaped), and the engine's own copy
 of the model (it serves until the worker is ready, then releases its weights; it is
-loaded again only if no worker can start). Runs on asyncio and trio."""
+loaded again only if no worker can start), and the cores a worker keeps to. Runs on
+asyncio and trio."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 from kvscope import Engine
 from kvscope.models.loader import BUNDLED_DIR
 from kvscope.models.worker import GOMP_SPINCOUNT, MAIN_GUARD_HINT, MALLOC_TUNABLES
+from kvscope.scheduling import OPENMP_BINDINGS
 from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -401,3 +403,58 @@ async def test_the_worker_starts_with_its_malloc_tunables_and_openmp_spin(monkey
         ours = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items()]
         assert entries and entries == ours[: len(entries)]
         assert os.environ.get("GLIBC_TUNABLES") == before
+
+
+def cores_of_each_thread(pid: int) -> set[frozenset[int]]:
+    return {
+        frozenset(os.sched_getaffinity(int(task.name)))
+        for task in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
+@pytest.fixture
+def no_openmp_binding(monkeypatch):
+    for name in OPENMP_BINDINGS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to leave")
+async def test_a_worker_with_fewer_threads_than_cores_keeps_to_the_last(no_openmp_binding, caplog):
+    """Its threads (torch's included) keep to the last core, leaving the others to the
+    event loop; the engine's own process keeps every core, and the log says which."""
+    allowed = os.sched_getaffinity(0)
+    caplog.set_level(logging.INFO, logger="kvscope")
+    async with open_engine(worker="process", model_threads=1) as engine:
+        pid = await worker_ready(engine)
+        await engine.generate("spin the threads up", max_tokens=4, temperature=0)
+        assert cores_of_each_thread(pid) == {frozenset({max(allowed)})}
+        assert os.sched_getaffinity(0) == allowed
+    assert f"ready on cores {max(allowed)} in" in caplog.text
+
+
+async def test_a_worker_whose_threads_fill_the_cores_keeps_every_core(no_openmp_binding):
+    allowed = frozenset(os.sched_getaffinity(0))
+    async with open_engine(worker="process", model_threads=len(allowed)) as engine:
+        pid = await worker_ready(engine)
+        await engine.generate("spin the threads up", max_tokens=4, temperature=0)
+        assert cores_of_each_thread(pid) == {allowed}
+
+
+async def test_a_user_who_binds_openmp_keeps_the_cores_the_worker_was_given(monkeypatch):
+    monkeypatch.setenv("OMP_PROC_BIND", "false")
+    allowed = frozenset(os.sched_getaffinity(0))
+    async with open_engine(worker="process", model_threads=1) as engine:
+        pid = await worker_ready(engine)
+        assert cores_of_each_thread(pid) == {allowed}
+
+
+async def test_the_worker_keeps_to_the_cores_listed_or_to_all(no_openmp_binding):
+    allowed = frozenset(os.sched_getaffinity(0))
+    first = min(allowed)
+    async with open_engine(worker="process", model_threads=1, worker_cores=str(first)) as engine:
+        pid = await worker_ready(engine)
+        await engine.generate("spin the threads up", max_tokens=4, temperature=0)
+        assert cores_of_each_thread(pid) == {frozenset({first})}
+    async with open_engine(worker="process", model_threads=1, worker_cores="all") as engine:
+        pid = await worker_ready(engine)
+        assert cores_of_each_thread(pid) == {allowed}
