@@ -61,7 +61,7 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
             engine_config.worker_nice,
             engine_config.max_num_batched_tokens,
             # On a CPU the forward's threads keep to cores of their own (`scheduling.py`).
-            model_cores(threads, allowed_cores(), os.environ)
+            model_cores(engine_config.worker_cores, threads, allowed_cores(), os.environ)
             if torch_device.type == "cpu"
             else None,
         )
