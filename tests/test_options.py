@@ -1,6 +1,7 @@
 """The engine options of `kvscope serve` and `kvscope generate` come from `EngineConfig`:
 every field is an option with the field's default and a help text, and a bad value is
-refused by the config's own validation."""
+refused by the config's own validation; `kvscope serve` has its own defaults for where
+the model runs, one server's or Ray Serve replicas'."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from kvscope.config import EngineConfig
 from kvscope.options import add_engine_arguments, engine_kwargs, field_help
+from kvscope.web import serve
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -50,3 +52,25 @@ def test_options_reach_the_config() -> None:
 def test_a_bad_value_names_the_field() -> None:
     with pytest.raises(ValueError, match="block_size"):
         engine_kwargs(parse("--block-size", "0"))
+
+
+def test_one_server_and_its_replicas_take_their_own_worker_defaults() -> None:
+    """One server runs the model in a worker process on cores of its own (`auto`);
+    replicas in threads, and a replica's worker process keeps every core, since the
+    replicas on one machine would each take the same ones. What is given wins."""
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+
+    def chosen(*argv: str) -> tuple[str, str]:
+        args = serve.with_worker_defaults(parser.parse_args(argv))
+        return args.worker, args.worker_cores
+
+    assert chosen() == ("process", "auto")
+    assert chosen("--replicas", "2") == ("thread", "all")
+    assert chosen("--replicas", "2", "--worker", "process") == ("process", "all")
+    given = ("--worker", "thread", "--worker-cores", "all")
+    assert chosen(*given) == ("thread", "all")
+    assert chosen("--replicas", "2", "--worker-cores", "auto") == ("thread", "auto")
+    help_text = " ".join(parser.format_help().split())
+    assert "--worker-cores WORKER_CORES" in help_text
+    assert "(default: auto; all with --replicas)" in help_text

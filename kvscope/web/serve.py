@@ -137,11 +137,18 @@ def read_key_file(path: str) -> list[str]:
     return keys
 
 
-def run(args: argparse.Namespace) -> int:
+def with_worker_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with `--worker` and `--worker-cores`, where not given, as one server's or
+    as a replica's (with `--replicas`)."""
     if args.worker is None:
         args.worker = REPLICA_WORKER if args.replicas else SERVED_WORKER
     if args.worker_cores is None:
         args.worker_cores = REPLICA_WORKER_CORES if args.replicas else SERVED_WORKER_CORES
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    with_worker_defaults(args)
     try:
         settings = settings_from(args)
         kwargs = engine_kwargs(args)
