@@ -47,10 +47,11 @@ A model worker process whose threads are fewer than the cores it may use keeps t
 last of them (`model_cores`, `keep_to_cores`; `worker_cores` lists others, or "all"
 keeps every core, as Ray Serve replicas do), leaving the first to the event loop,
 hypercorn and whatever serves beside them, as vLLM's CPU build keeps a core for its API
-server (`VLLM_CPU_NUM_OF_RESERVED_CPU`). Unpinned, a client woken on the core the model
-holds waits for the next tick: measured with `taskset` from outside (session 26, process
-worker, 1 thread, `bench cancel`, alternating runs), the DELETE's answer went from
-written to read in 0.73-0.81 ms against 1.6-1.9 in three runs of four. Where the user
+server (`VLLM_CPU_NUM_OF_RESERVED_CPU`). `bench cancel`, process worker, 1 thread on 2
+cores, four alternating pairs: the DELETE's answer went from written to read in
+0.56-0.66 ms at p50 in three runs of four (1.40 in the fourth) against 1.36-1.87, the
+loop lag's p99 1.26-1.67 against 1.76-2.56 ms (docs/benchmarks/README.md, session 27;
+keeping the loop's thread off the model's core as well made it worse). Where the user
 binds OpenMP's threads themselves (`OPENMP_BINDINGS`), the worker keeps the cores it was
 given.
 
