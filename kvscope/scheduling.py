@@ -278,13 +278,18 @@ def model_cores(
         return None
     if setting != "auto":
         return listed_cores(setting, allowed)
+    if not hasattr(os, "sched_setaffinity"):
+        return None  # not Linux: the OS places the threads
     if not threads or threads >= len(allowed) or any(name in environ for name in OPENMP_BINDINGS):
         return None
     return frozenset(sorted(allowed)[-threads:])
 
 
 def listed_cores(setting: str, allowed: set[int]) -> frozenset[int]:
-    """The cores of a list such as "2,3"; a `ValueError` if one is not `allowed`."""
+    """The cores of a list such as "2,3"; a `ValueError` if one is not `allowed`, or
+    where this OS cannot keep a process to cores."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"worker_cores {setting}: this OS cannot keep a process to cores")
     cores = frozenset(int(core) for core in setting.split(","))
     if not cores <= allowed:
         may_use = ",".join(map(str, sorted(allowed)))
@@ -305,5 +310,5 @@ def keep_to_cores(cores: frozenset[int]) -> None:
     for tid in threads_of_this_process():
         try:
             os.sched_setaffinity(tid, cores)
-        except ProcessLookupError:
-            pass  # it ended since the listing
+        except OSError:
+            pass  # it ended since the listing, or the OS refused: it keeps its cores

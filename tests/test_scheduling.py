@@ -249,3 +249,12 @@ def test_the_setting_takes_auto_all_or_cores_this_process_may_use() -> None:
     for bad in ("", "some", "1-3", "0,", str(max(os.sched_getaffinity(0)) + 1)):
         with pytest.raises(ValueError, match="worker_cores"):
             EngineConfig(worker_cores=bad)
+
+
+def test_where_the_os_cannot_keep_threads_to_cores_auto_keeps_every_core(monkeypatch) -> None:
+    """An OS without `sched_setaffinity` (macOS, Windows: not runnable here, so it is
+    faked by removing the call) keeps every core under `auto`; a list is refused."""
+    monkeypatch.delattr(os, "sched_setaffinity")
+    assert model_cores("auto", 1, {0, 1}, {}) is None
+    with pytest.raises(ValueError, match="worker_cores 0: this OS cannot keep a process to cores"):
+        model_cores("0", 1, {0, 1}, {})
