@@ -1,7 +1,8 @@
 """The event loop's thread asks for short scheduler slices and, where the OS allows it,
 a real-time priority; the model's threads run as a batch job with the default slice,
-on cores of their own where they are fewer than the cores (`kvscope.scheduling`). The slices' tests are skipped where the kernel has no
-per-thread slices, the real-time ones where this process may not take the policy."""
+on cores of their own where they are fewer than the cores (`kvscope.scheduling`). The
+slices' tests are skipped where the kernel has no per-thread slices, the real-time ones
+where this process may not take the policy."""
 
 from __future__ import annotations
 
