@@ -140,21 +140,26 @@ def sliced_checkpoints() -> int:
 
 
 @pytest.mark.parametrize("chunk", [0, 2])
-@pytest.mark.parametrize("at", range(sliced_checkpoints()))
 def test_a_chunk_cancelled_at_any_checkpoint_is_released_once_and_the_rest_unchanged(
-    chunk: int, at: int
+    chunk: int,
 ):
     """Between the pieces of a linear layer its rows cannot leave the batch yet: the
     chunk is handed back there at once, and its rows leave at the next checkpoint that
-    allows it (before any KV block is touched)."""
+    allows it (before any KV block is touched). Every checkpoint in one test: how many
+    there are depends on the prefill attention's path (the compiled kernel, once built
+    and timed faster than SDPA, cuts by rows), so they are counted when the test runs,
+    not when it is collected, and the suite's count stays the same on every machine."""
     whole = make_runner().execute(StepInput(chunks(), []))
-    control = CancelAtLayer(chunk, at)
-    pruned = make_sliced_runner().execute(StepInput(chunks(), []), control)
-    assert control.handed_back == [[chunk]]
-    assert pruned[chunk] is None
-    assert [t for i, t in enumerate(pruned) if i != chunk] == [
-        t for i, t in enumerate(whole) if i != chunk
-    ]
+    checkpoints = sliced_checkpoints()
+    for at in range(checkpoints):
+        control = CancelAtLayer(chunk, at)
+        pruned = make_sliced_runner().execute(StepInput(chunks(), []), control)
+        where = f"cancelled at checkpoint {at} of {checkpoints}"
+        assert control.handed_back == [[chunk]], where
+        assert pruned[chunk] is None, where
+        assert [t for i, t in enumerate(pruned) if i != chunk] == [
+            t for i, t in enumerate(whole) if i != chunk
+        ], where
 
 
 def test_gaps_are_counted_for_an_aborted_step_too():
