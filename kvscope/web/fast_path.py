@@ -43,7 +43,7 @@ class FastPath:
         self.ctx = ctx
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if not _answered_here(scope):
+        if not answered_here(scope):
             await self.app(scope, receive, send)
             return
         extra: dict[str, str] = {}
@@ -82,7 +82,7 @@ def _api_error(exc: Exception, retry_after: int, scope: dict[str, Any]) -> ApiEr
     return ApiError(500, "internal server error", "internal_error")
 
 
-def _answered_here(scope: dict[str, Any]) -> bool:
+def answered_here(scope: dict[str, Any]) -> bool:
     """A bodiless `DELETE /requests/{id}`, `GET /stats` or `GET /health`."""
     if scope["type"] != "http":
         return False

@@ -29,6 +29,7 @@ from hypercorn.config import Config as HypercornConfig
 from kvscope import Engine
 from kvscope.scheduling import RealtimeLoop, ask_for_short_slices
 
+from . import wire
 from .app import create_app
 from .context import ServerContext
 from .metrics import Metrics
@@ -195,7 +196,9 @@ def hypercorn_config(sock: socket.socket, settings: ServerSettings) -> Hypercorn
 
 
 async def serve_app(app: Any, config: HypercornConfig, backend: str, shutdown_trigger: Any) -> None:
-    """Serve `app` on hypercorn until `shutdown_trigger()` returns."""
+    """Serve `app` on hypercorn until `shutdown_trigger()` returns; its fast-path
+    requests are answered off the wire (`wire.py`)."""
+    wire.take(app)
     if backend == "trio":
         from hypercorn.trio import serve
 
