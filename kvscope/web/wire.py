@@ -20,9 +20,9 @@ before:
 * the connection is between requests: h11 idle on both sides, no stream, nothing
   buffered, the server not shutting down, no server names configured;
 * the bytes are exactly one request head (`parse_head`): `GET` or `DELETE`, an ASCII
-  target, `HTTP/1.1`, plain header lines, and none of `Connection`, `Upgrade`,
-  `Expect`, `Transfer-Encoding` or a `Content-Length` other than 0 (a partial
-  packet, pipelined requests, HTTP/1.0 and bodies all go to hypercorn);
+  target, `HTTP/1.1`, plain header lines with one `Host`, and none of `Connection`,
+  `Upgrade`, `Expect`, `Transfer-Encoding` or a `Content-Length` other than 0 (a
+  partial packet, pipelined requests, HTTP/1.0 and bodies all go to hypercorn);
 * `fast_path.answered_here` takes the request.
 
 The request then goes through the app's whole ASGI stack (`BodyGuard`, `FastPath`:
@@ -52,9 +52,11 @@ from .fast_path import answered_here
 
 log = logging.getLogger("kvscope.web")
 
-#: One request head: request line, header lines, the blank line, nothing after.
+#: One request head: request line, header lines, the blank line, nothing after. A
+#: header's value is one character class up to its line's end, so a long line that
+#: fails to match fails in linear time (no overlapping repeats to backtrack through).
 HEAD = re.compile(
-    rb"(GET|DELETE) (/[!-~]*) HTTP/1\.1\r\n((?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[ \t]*[ -~]*\r\n)*)\r\n"
+    rb"(GET|DELETE) (/[!-~]*) HTTP/1\.1\r\n((?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t -~]*\r\n)*)\r\n"
 )
 #: Headers that give a request a body, another protocol or a connection of its own:
 #: hypercorn handles those.
@@ -123,6 +125,8 @@ def parse_head(data: bytes) -> tuple[str, bytes, list[tuple[bytes, bytes]]] | No
         if name in DECLINED_HEADERS or (name == b"content-length" and value != b"0"):
             return None
         headers.append((name, value))
+    if [name for name, _ in headers].count(b"host") != 1:
+        return None  # h11 refuses an HTTP/1.1 request without one Host: leave it that
     return method.decode("ascii"), target, headers
 
 

@@ -91,8 +91,13 @@ def test_parse_head_takes_one_plain_bodiless_head_only() -> None:
         request("POST", "/generate"),
         request("GET", "/stats", "x-bad header: 1"),
         request("GET", "/st\xe4ts"),
+        b"GET /stats HTTP/1.1\r\n\r\n",  # no Host: h11 answers 400
+        request("GET", "/stats", "host: 127.0.0.1"),  # two
     ):
         assert wire.parse_head(declined) is None, declined
+    # a long header line that fails at its end is refused in linear time (a pattern
+    # with overlapping repeats takes minutes on it: the timeout fails it)
+    assert wire.parse_head(request("GET", "/stats", "x:" + " " * 400_000 + "\x7f")) is None
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
