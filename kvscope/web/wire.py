@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import weakref
 from typing import Any
@@ -76,6 +77,7 @@ PROTOCOL_FIELDS = (
 
 _taken: weakref.WeakSet[Any] = weakref.WeakSet()
 _installed = False
+_install_lock = threading.Lock()  # servers in two threads (tests, embedding) start at once
 
 
 def take(app: Any) -> None:
@@ -87,27 +89,34 @@ def take(app: Any) -> None:
 def install() -> bool:
     """Wrap hypercorn's HTTP/1.1 protocol once; False where it is not the expected one."""
     global _installed
-    if _installed:
+    with _install_lock:
+        if _installed:
+            return True
+        try:
+            from hypercorn.events import Closed, RawData, Updated
+            from hypercorn.protocol.h11 import H11Protocol
+        except ImportError as exc:
+            log.warning("fast path off the wire not installed: %s", exc)
+            return False
+        _wrap(H11Protocol, RawData, Updated, Closed)
+        _installed = True
         return True
-    try:
-        from hypercorn.events import Closed, RawData, Updated
-        from hypercorn.protocol.h11 import H11Protocol
-    except ImportError as exc:
-        log.warning("fast path off the wire not installed: %s", exc)
-        return False
-    original = H11Protocol.handle
+
+
+def _wrap(protocol_class: Any, raw_data: Any, updated: Any, closed: Any) -> None:
+    """`protocol_class.handle`, wrapped: an idle connection's fast-path request of a
+    taken app is answered here, every other event goes to the original."""
+    original = protocol_class.handle
 
     async def handle(self: Any, event: Any) -> None:
-        if isinstance(event, RawData) and _serves_taken_app(self):
+        if isinstance(event, raw_data) and _serves_taken_app(self):
             request = _idle_request(self, event.data)
             if request is not None:
-                await _answer(self, request, RawData, Updated, Closed)
+                await _answer(self, request, raw_data, updated, closed)
                 return
         await original(self, event)
 
-    H11Protocol.handle = handle  # type: ignore[method-assign]
-    _installed = True
-    return True
+    protocol_class.handle = handle
 
 
 def parse_head(data: bytes) -> tuple[str, bytes, list[tuple[bytes, bytes]]] | None:
