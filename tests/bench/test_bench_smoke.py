@@ -5,6 +5,7 @@ They check shape, never timings."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,10 @@ def test_cancel_smoke(tmp_path: Path) -> None:
     assert f["checkpoint_gap"]["baseline"]["samples"] > 0  # every step counts its gaps
     # The machine's wake-up floor, sampled beside the run with cancels.
     assert f["wake_floor_ms"]["count"] > 0 and f["wake_floor_ms"]["p99"] is not None
+    # The core the server's event loop ran on, sampled beside /stats: cores this
+    # machine has, one sample at least.
+    assert f["loop_cores"] and sum(f["loop_cores"].values()) > 0
+    assert {int(core) for core in f["loop_cores"]} <= set(range(os.cpu_count() or 1))
     assert (
         f["leak_free"]
         and f["leaked"]["kv_blocks_in_use"] == 0

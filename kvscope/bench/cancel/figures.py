@@ -229,6 +229,7 @@ def figures(
         targets={},
         client=client({"with_cancels": with_cancels, "baseline": baseline}, cores),
         wake_floor_ms=ms(with_cancels.wake_floor),
+        loop_cores={str(core): n for core, n in sorted(with_cancels.loop_cores.items())} or None,
     )
     return _with_targets(run)
 

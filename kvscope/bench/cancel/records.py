@@ -57,6 +57,8 @@ class RawRun:
     checkpoint_gap_buckets: dict[float, float] = attrs.Factory(dict)
     #: How late a sleeping process woke beside the run (s; `core.wake_floor`).
     wake_floor: list[float] = attrs.Factory(list)
+    #: Samples of the core the server's event loop last ran on (core -> samples).
+    loop_cores: dict[int, int] = attrs.Factory(dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -167,6 +169,10 @@ class CancelRun(Record):
     #: How late a sleeping process woke during the run with cancels: the machine's
     #: floor under the server's loop lag and every wake-up of a hop.
     wake_floor_ms: Summary | None = None
+    #: The core the server's event loop last ran on, sampled beside `/stats` during the
+    #: run with cancels (core -> samples; since session 28): on a machine whose cores
+    #: the benchmark's clients share, the loop's core decides the kind of run.
+    loop_cores: dict[str, int] | None = None
 
 
 @attrs.frozen(kw_only=True)

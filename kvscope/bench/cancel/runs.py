@@ -20,7 +20,7 @@ import anyio
 from ...web.settings import LAG_INTERVAL
 from ..core import prometheus
 from ..core.http import CpuClock, RawHttp, session
-from ..core.servers import Server
+from ..core.servers import Server, last_core
 from ..core.wake_floor import WakeFloor
 from ..core.workload import Deadline
 from .client import Plan, poll_stats, run_stream
@@ -38,9 +38,26 @@ async def _histograms(client: aiohttp.ClientSession) -> tuple[dict[float, float]
     return prometheus.histogram(text, LAG), prometheus.histogram(text, GAP)
 
 
-async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) -> RawRun:
+async def sample_loop_core(
+    pid: int | None, interval: float, stop: anyio.Event, counts: dict[int, int]
+) -> None:
+    """Count, every `interval` s until `stop` is set, the core the server's event loop
+    (its process's main thread) last ran on. Where the real-time loop settles when the
+    server starts decides the kind of run on a machine whose cores the benchmark's own
+    clients share (docs/benchmarks/README.md, session 28)."""
+    while pid is not None and not stop.is_set():
+        if (core := last_core(pid)) is not None:
+            counts[core] = counts.get(core, 0) + 1
+        with anyio.move_on_after(interval):
+            await stop.wait()
+
+
+async def one_run(
+    base_url: str, plans: list[Plan], args: argparse.Namespace, loop_pid: int | None = None
+) -> RawRun:
     records: list[StreamRecord] = []
     timeline: list[dict[str, Any]] = []
+    loop_cores: dict[int, int] = {}
     stop = anyio.Event()
     connections = 2 * len(plans) + 8  # a stream and a DELETE each, the poller, spare
     async with (
@@ -57,6 +74,7 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
         with anyio.fail_after(args.run_timeout):
             async with WakeFloor(LAG_INTERVAL) as floor, anyio.create_task_group() as tg:
                 tg.start_soon(poll_stats, client, args.stats_interval, origin, stop, timeline)
+                tg.start_soon(sample_loop_core, loop_pid, args.stats_interval, stop, loop_cores)
                 async with anyio.create_task_group() as streams:
                     for plan in plans:
                         streams.start_soon(one, plan)
@@ -71,6 +89,7 @@ async def one_run(base_url: str, plans: list[Plan], args: argparse.Namespace) ->
         checkpoint_gap_buckets=gap,
         client_cpu_s=cpu,
         wake_floor=floor.samples,
+        loop_cores=loop_cores,
     )
 
 
@@ -120,7 +139,8 @@ async def bench_server(
                 print(f"  round {i + 1}/{args.rounds}: {name.replace('_', ' ')} ...", flush=True)
                 seed = args.seed + 1 + 2 * i + (name == "baseline")  # fresh prompts every run
                 plans = make_plans(args, vocab, seed, name != "baseline")
-                runs[name].append(await one_run(server.base_url, plans, args))
+                pid = server.process.pid if server.process is not None else None
+                runs[name].append(await one_run(server.base_url, plans, args, pid))
         after = await settle(server.base_url)
     after["processes_left"] = len(server.left_behind)  # counted once it has stopped
     return merge(runs["with_cancels"]), merge(runs["baseline"]), after
@@ -130,7 +150,10 @@ def merge(parts: list[RawRun]) -> RawRun:
     """Pool the records and the histograms of several runs; keep the first timeline."""
     lag: dict[float, float] = {}
     gap: dict[float, float] = {}
+    cores: dict[int, int] = {}
     for part in parts:
+        for core, samples in part.loop_cores.items():
+            cores[core] = cores.get(core, 0) + samples
         for le, n in part.loop_lag_buckets.items():
             lag[le] = lag.get(le, 0.0) + n
         for le, n in part.checkpoint_gap_buckets.items():
@@ -143,5 +166,6 @@ def merge(parts: list[RawRun]) -> RawRun:
         checkpoint_gap_buckets=gap,
         client_cpu_s=sum(p.client_cpu_s for p in parts),
         wake_floor=[x for p in parts for x in p.wake_floor],
+        loop_cores=cores,
         rounds=len(parts),
     )

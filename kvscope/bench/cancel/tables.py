@@ -69,6 +69,7 @@ def _hop_table(run: CancelRun) -> list[str]:
         f"{run.cancel_reports} cancels found their request in the running step; one step ~ "
         f"{fmt(run.step_ms_baseline_itl_p50)} ms; disconnect reasons "
         f"{run.disconnect_cancel_reasons}; loop lag has bucket resolution"
+        + (f"; the event loop's core (samples) {run.loop_cores}" if run.loop_cores else "")
     )
     return ["", table(headers, _hop_rows(run)), "", notes]
 

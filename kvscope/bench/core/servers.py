@@ -135,6 +135,15 @@ class Server:
             return ""
 
 
+def last_core(pid: int) -> int | None:
+    """The core `pid`'s main thread last ran on (field 39 of Linux's /proc stat; None
+    elsewhere, or once it has ended)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def child_pids(pid: int) -> list[int]:
     """The processes whose parent is `pid` (Linux's /proc; none elsewhere)."""
     children = []
