@@ -20,9 +20,9 @@ before:
 * the connection is between requests: h11 idle on both sides, no stream, nothing
   buffered, the server not shutting down, no server names configured;
 * the bytes are exactly one request head (`parse_head`): `GET` or `DELETE`, an ASCII
-  target, `HTTP/1.1`, plain header lines with one `Host`, and none of `Connection`,
-  `Upgrade`, `Expect`, `Transfer-Encoding` or a `Content-Length` other than 0 (a
-  partial packet, pipelined requests, HTTP/1.0 and bodies all go to hypercorn);
+  target, `HTTP/1.1`, plain header lines with one `Host`, no `Upgrade`, `Expect` or
+  `Transfer-Encoding`, no `Connection` but `keep-alive` and no `Content-Length` but 0
+  (a partial packet, pipelined requests, HTTP/1.0 and bodies all go to hypercorn);
 * `fast_path.answered_here` takes the request.
 
 The request then goes through the app's whole ASGI stack (`BodyGuard`, `FastPath`:
@@ -59,9 +59,10 @@ log = logging.getLogger("kvscope.web")
 HEAD = re.compile(
     rb"(GET|DELETE) (/[!-~]*) HTTP/1\.1\r\n((?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t -~]*\r\n)*)\r\n"
 )
-#: Headers that give a request a body, another protocol or a connection of its own:
-#: hypercorn handles those.
-DECLINED_HEADERS = frozenset({b"connection", b"upgrade", b"expect", b"transfer-encoding"})
+#: Headers that give a request a body or another protocol: hypercorn handles those (and
+#: a `Connection` header other than `keep-alive`, HTTP/1.1's default that httpx, the
+#: openai package and requests send with every request).
+DECLINED_HEADERS = frozenset({b"upgrade", b"expect", b"transfer-encoding"})
 #: What the wrapper reads of hypercorn's `H11Protocol` (checked at each use: a
 #: connection of a protocol without one of them goes to hypercorn).
 PROTOCOL_FIELDS = (
@@ -131,7 +132,11 @@ def parse_head(data: bytes) -> tuple[str, bytes, list[tuple[bytes, bytes]]] | No
         name, _, value = line.partition(b":")
         name = name.lower()
         value = value.strip(b" \t")
-        if name in DECLINED_HEADERS or (name == b"content-length" and value != b"0"):
+        if (
+            name in DECLINED_HEADERS
+            or (name == b"content-length" and value != b"0")
+            or (name == b"connection" and value.lower() != b"keep-alive")
+        ):
             return None
         headers.append((name, value))
     if [name for name, _ in headers].count(b"host") != 1:
@@ -199,26 +204,20 @@ async def _answer(
         messages.append(message)
 
     try:
-        await _taken_app(protocol)(scope, receive, send)
+        await protocol.app.app(scope, receive, send)  # hypercorn's wrapper's app
         start = next(m for m in messages if m["type"] == "http.response.start")
-    except Exception:
+    except Exception:  # as hypercorn answers an app that failed before its answer
         log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-        start = {"type": "http.response.start", "status": 500, "headers": []}
-        messages = [start, {"type": "http.response.body", "body": b""}]
-        start["headers"] = [(b"content-length", b"0"), (b"connection", b"close")]
+        start = {"status": 500, "headers": [(b"content-length", b"0"), (b"connection", b"close")]}
+        messages = []
     body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
     headers = [*start["headers"], *protocol.config.response_headers("h11")]
-    last = protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests
-    if last:
+    if protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests:
         headers.append((b"connection", b"close"))
-    closing = last or any(
+    closing = any(
         name.lower() == b"connection" and value.lower() == b"close" for name, value in headers
     )
     head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in headers)
     await protocol.send(raw_data(data=b"HTTP/1.1 %d \r\n%s\r\n%s" % (start["status"], head, body)))
     await protocol.config.log.access(scope, start, time.time() - started)
     await protocol.send(closed() if closing else updated(idle=True))
-
-
-def _taken_app(protocol: Any) -> Any:
-    return protocol.app.app

@@ -1,8 +1,10 @@
 """The fast path's requests answered off the wire (`web/wire.py`): over one kept-alive
 raw socket, the requests it takes and those it leaves to hypercorn follow each other
 and each gets the answer it would get from the routes; it never takes a request it
-should leave (a partial head, two heads at once, HTTP/1.0, a body, `Connection:`);
-a refusal closes the connection. Both anyio backends."""
+should leave (a partial head, two heads at once, HTTP/1.0, a body, `Connection: close`);
+a refusal closes the connection. httpx's requests, which say `Connection: keep-alive`,
+are taken too, so the suite's other DELETE tests (their audit lines, the blocks
+released) go this way. Both anyio backends."""
 
 from __future__ import annotations
 
@@ -79,6 +81,12 @@ def test_parse_head_takes_one_plain_bodiless_head_only() -> None:
         b"/stats?x=1",
         [(b"host", b"127.0.0.1"), (b"authorization", b"Bearer k")],
     )
+    # HTTP/1.1's default, sent by httpx, the openai package and requests: taken
+    assert wire.parse_head(request("GET", "/health", "Connection: Keep-Alive")) == (
+        "GET",
+        b"/health",
+        [(b"host", b"127.0.0.1"), (b"connection", b"Keep-Alive")],
+    )
     for declined in (
         plain[:-2],  # a partial head
         plain + plain,  # two at once
@@ -86,6 +94,7 @@ def test_parse_head_takes_one_plain_bodiless_head_only() -> None:
         request("DELETE", "/requests/r", "content-length: 2", body=b"{}"),
         request("DELETE", "/requests/r", "transfer-encoding: chunked"),
         request("DELETE", "/requests/r", "connection: close"),
+        request("DELETE", "/requests/r", "connection: keep-alive, upgrade"),
         request("GET", "/health", "upgrade: websocket"),
         request("GET", "/health", "expect: 100-continue"),
         request("POST", "/generate"),
