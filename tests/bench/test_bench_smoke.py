@@ -159,6 +159,8 @@ def test_cancel_smoke(tmp_path: Path) -> None:
         "1",
         "--stats-interval",
         "0.02",
+        "--rounds",
+        str(rounds := 2),
         "--log-dir",
         str(tmp_path),
         "--json",
@@ -172,21 +174,33 @@ def test_cancel_smoke(tmp_path: Path) -> None:
     assert f["errors"] == []
     # The server (on the model worker process) stopped and reaped every child it started.
     assert f["leaked"]["processes"] == 0
-    assert f["deletes"] == 3 and f["disconnects"] == 1 and f["survivor_count"] == 4
-    assert f["delete_status"] == {"200": 3}
-    assert f["delete_rtt_ms"]["count"] == 3 and f["cancel_to_release_ms_report"]["count"] == 3
-    assert f["cancel_to_release_ms_audit"]["count"] == 4
-    assert f["disconnect_to_cancel_ms"]["count"] == 1 and f["disconnect_cancel_reasons"] == {
-        "disconnect": 1
-    }
+    # Each round's run with cancels: 3 DELETEs and 1 closed stream; the same 4 survivors.
+    deletes, disconnects = 3 * rounds, 1 * rounds
+    assert f["deletes"] == deletes and f["disconnects"] == disconnects
+    assert f["survivor_count"] == 4 and f["delete_status"] == {"200": deletes}
+    assert f["delete_rtt_ms"]["count"] == deletes
+    assert f["cancel_to_release_ms_report"]["count"] == deletes
+    assert f["cancel_to_release_ms_audit"]["count"] == deletes + disconnects
+    assert f["disconnect_to_cancel_ms"]["count"] == disconnects
+    assert f["disconnect_cancel_reasons"] == {"disconnect": disconnects}
     for key in ("ttft_ms", "itl_ms"):
         for side in ("with_cancels", "without"):
             assert f["survivors"][key][side]["p99"] is not None
         assert f["survivors"][key]["ratio_p99"] is not None
+    # Each round's run of each kind has its own inter-token p99, and the baseline's two
+    # rounds give the spread the run cannot resolve.
+    by_round = f["survivors"]["itl_p99_ms_by_round"]
+    assert sorted(by_round) == ["baseline", "with_cancels"]
+    assert all(len(p99s) == rounds for p99s in by_round.values())
+    assert all(p99 is not None for p99s in by_round.values() for p99 in p99s)
+    base = by_round["baseline"]
+    assert f["survivors"]["itl_p99_baseline_spread"] == pytest.approx(
+        max(base) / min(base), abs=2e-3
+    )
     assert f["loop_lag"]["with_cancels"]["samples"] > 0 and f["worker"] == SERVED_WORKER
     # Hops 2 and 4 of each DELETE (audit stamps against the client's wall clock).
     for hop in ("delete_sent_to_cancelled_ms", "released_to_reply_ms"):
-        assert f[hop]["count"] == 3 and f[hop]["p50"] is not None
+        assert f[hop]["count"] == deletes and f[hop]["p50"] is not None
     assert f["client"]["library"] == "aiohttp"
     assert set(f["client"]["cpu_s"]) == {"with_cancels", "baseline"}
     assert f["checkpoint_gap"]["baseline"]["samples"] > 0  # every step counts its gaps
@@ -201,7 +215,7 @@ def test_cancel_smoke(tmp_path: Path) -> None:
         and f["leaked"]["kv_blocks_in_use"] == 0
         and f["leaked"]["live_requests"] == 0
     )
-    assert f["kv_timeline"]["with_cancels"] and len(f["cancel_times"]) == 4
+    assert f["kv_timeline"]["with_cancels"] and len(f["cancel_times"]) == deletes + disconnects
     assert set(f["targets"]) >= {
         "delete_rtt_p50_ms<=2",
         "delete_rtt_p99_ms<=5",

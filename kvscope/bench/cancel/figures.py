@@ -103,7 +103,25 @@ def survivors(with_cancels: RawRun, baseline: RawRun, keep: set[int]) -> Survivo
             ratio_p99=ratio(w.p99, wo.p99),
         )
 
-    return Survivors(ttft_ms=compared(ttft_c, ttft_b), itl_ms=compared(itl_c, itl_b))
+    by_round = {
+        "with_cancels": _itl_p99_by_round(with_cancels, keep),
+        "baseline": _itl_p99_by_round(baseline, keep),
+    }
+    base = [p99 for p99 in by_round["baseline"] if p99 is not None]
+    return Survivors(
+        ttft_ms=compared(ttft_c, ttft_b),
+        itl_ms=compared(itl_c, itl_b),
+        itl_p99_ms_by_round=by_round,
+        itl_p99_baseline_spread=ratio(max(base), min(base)) if len(base) > 1 else None,
+    )
+
+
+def _itl_p99_by_round(run: RawRun, keep: set[int]) -> list[float | None]:
+    """The inter-token p99 (ms) of the streams at `keep`, in each of `run`'s rounds."""
+    return [
+        ms(_latency([r for r in run.records if r.round == i], keep)[1]).p99
+        for i in range(run.rounds)
+    ]
 
 
 def samples(with_cancels: RawRun, baseline: RawRun, keep: set[int]) -> dict[str, list[float]]:

@@ -40,6 +40,8 @@ class StreamRecord:
     delete_status: int | None = None
     #: The CancelReport the DELETE answered with (None if it was not JSON).
     report: dict[str, Any] | None = None
+    #: Which of its kind's pooled runs it ran in (0: the first; `runs.merge`).
+    round: int = 0
 
 
 @attrs.define(kw_only=True)
@@ -83,6 +85,12 @@ class Compared(Record):
 class Survivors(Record):
     ttft_ms: Compared
     itl_ms: Compared
+    #: The inter-token p99 (ms) of each round's run of each kind, in order.
+    itl_p99_ms_by_round: dict[str, list[float | None]] | None = None
+    #: The baseline's slowest round's inter-token p99 over its fastest (None with one
+    #: round): how much the same workload, with no cancel, varies from run to run here.
+    #: A with/without ratio inside it is not resolved by the run.
+    itl_p99_baseline_spread: float | None = None
 
 
 @attrs.frozen(kw_only=True)

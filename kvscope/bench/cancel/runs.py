@@ -147,11 +147,14 @@ async def bench_server(
 
 
 def merge(parts: list[RawRun]) -> RawRun:
-    """Pool the records and the histograms of several runs; keep the first timeline."""
+    """Pool the records and the histograms of several runs, each record marked with
+    its run's place in `parts`; keep the first timeline."""
     lag: dict[float, float] = {}
     gap: dict[float, float] = {}
     cores: dict[int, int] = {}
-    for part in parts:
+    for i, part in enumerate(parts):
+        for record in part.records:
+            record.round = i
         for core, samples in part.loop_cores.items():
             cores[core] = cores.get(core, 0) + samples
         for le, n in part.loop_lag_buckets.items():

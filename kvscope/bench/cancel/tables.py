@@ -82,12 +82,25 @@ def _survivor_table(run: CancelRun) -> list[str]:
     target = run.targets.get("survivor_itl_p99_ratio<=1.05")
     met = f"; inter-token p99 ratio <= 1.05: {fmt(target.met)}" if target else ""
     headers = ["", "p50 with", "p50 without", "ratio", "p99 with", "p99 without", "ratio"]
-    return [
+    out = [
         "",
         f"Survivors ({run.survivor_count} requests, the same positions in both runs), ms{met}",
         "",
         table(headers, rows),
     ]
+    by_round = run.survivors.itl_p99_ms_by_round
+    if by_round and run.survivors.itl_p99_baseline_spread is not None:
+        each = "; ".join(
+            f"{name.replace('_', ' ')} {', '.join(fmt(p99) for p99 in p99s)}"
+            for name, p99s in by_round.items()
+        )
+        out += [
+            "",
+            f"Inter-token p99 by round: {each}. The baseline's own spread (slowest round / "
+            f"fastest) {fmt(run.survivors.itl_p99_baseline_spread)}: a ratio within it is "
+            "not resolved by this run.",
+        ]
+    return out
 
 
 def _footer(run: CancelRun) -> list[str]:
