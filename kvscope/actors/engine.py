@@ -240,6 +240,7 @@ class Engine:
             blocks_released=state.blocks_released,
             release_seconds=state.released_at - called,
             in_running_step=state.in_running_step,
+            reply_seconds=time.perf_counter() - called,
         )
 
     def cancel_nowait(self, request_id: str, reason: str = "user", by: str | None = None) -> bool:

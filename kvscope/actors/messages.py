@@ -90,6 +90,10 @@ class CancelReport:
     #: True when the request was in the running step: its blocks were freed at once
     #: all the same, and the forward dropped its rows at its next checkpoint.
     in_running_step: bool = False
+    #: Seconds from the cancel call to this report, made once the request's end was
+    #: published (blocks released, audit line written, its readers woken): what the
+    #: server adds to a DELETE's answer after the release.
+    reply_seconds: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

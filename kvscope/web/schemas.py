@@ -152,6 +152,7 @@ class CancelReportView(BaseModel):
     blocks_released: int
     release_seconds: float | None
     in_running_step: bool
+    reply_seconds: float | None
 
 
 class ErrorDetail(BaseModel):

@@ -40,6 +40,8 @@ async def test_cancel_by_id_while_queued():
         assert report.found and report.status == "queued"
         assert report.blocks_released == 0 and report.tokens_generated == 0
         assert report.release_seconds is not None and not report.in_running_step
+        # The report is made after the release, once the end was published.
+        assert report.reply_seconds is not None and report.reply_seconds >= report.release_seconds
         assert_cancelled(engine, queued.id, "user")
         assert engine.get(queued.id).cancelled_by == "tester"
         assert (await queued.wait()).finish_reason == "cancelled"

@@ -198,8 +198,10 @@ def test_cancel_smoke(tmp_path: Path) -> None:
         max(base) / min(base), abs=2e-3
     )
     assert f["loop_lag"]["with_cancels"]["samples"] > 0 and f["worker"] == SERVED_WORKER
-    # Hops 2 and 4 of each DELETE (audit stamps against the client's wall clock).
-    for hop in ("delete_sent_to_cancelled_ms", "released_to_reply_ms"):
+    # Hops 2 and 4 of each DELETE (audit stamps against the client's wall clock), and
+    # hop 4 split where the CancelReport was made (the server's clock, then the rest).
+    hops = ("delete_sent_to_cancelled_ms", "released_to_reply_ms")
+    for hop in (*hops, "released_to_report_ms", "report_to_reply_ms"):
         assert f[hop]["count"] == deletes and f[hop]["p50"] is not None
     assert f["client"]["library"] == "aiohttp"
     assert set(f["client"]["cpu_s"]) == {"with_cancels", "baseline"}

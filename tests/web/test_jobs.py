@@ -43,6 +43,7 @@ def test_delete_cancels_with_reason_user(live: Live) -> None:
         report = response.json()
         assert report["found"] and report["status"] == "running" and report["blocks_released"] >= 1
         assert report["release_seconds"] is not None and report["release_seconds"] < 1.0
+        assert report["reply_seconds"] >= report["release_seconds"]
         info = client.get(f"/requests/{job['id']}").json()
         assert (
             info["status"] == "cancelled"

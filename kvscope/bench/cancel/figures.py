@@ -10,7 +10,10 @@ and `/stats` (KV blocks over time, and after the run).
 The hops of a DELETE, in order: sent -> the engine's cancel call (`cancelled` in the
 audit log) -> blocks released (`release_seconds`; `released` in the audit log) ->
 answer read by the client. The first and last include the HTTP path both ways; the
-server stamps no arrival time, so the request's way in is not split further.
+server stamps no arrival time, so the request's way in is not split further. The last
+is split at the CancelReport's making (`reply_seconds - release_seconds`, the server's
+clock): the loop's work after the release, then writing the answer, the wire and the
+client's wake-up.
 """
 
 from __future__ import annotations
@@ -137,22 +140,36 @@ def samples(with_cancels: RawRun, baseline: RawRun, keep: set[int]) -> dict[str,
 def delete_hops(deletes: list[StreamRecord], audit: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Hops 2 to 4 of the DELETEs (see the module docstring), in seconds."""
     reports = [r.report for r in deletes if r.report is not None]
-    sent_to_cancelled, released_to_reply = [], []
+    sent_to_cancelled, released_to_reply, released_to_report, report_to_reply = [], [], [], []
     for r in deletes:
         a = audit.get(r.id or "") or {}
         if a.get("cancelled") is not None and r.delete_sent_wall is not None:
             sent_to_cancelled.append(a["cancelled"] - r.delete_sent_wall)
         if a.get("released") is not None and r.delete_reply_wall is not None:
-            released_to_reply.append(r.delete_reply_wall - a["released"])
+            hop = r.delete_reply_wall - a["released"]
+            released_to_reply.append(hop)
+            if (server := _released_to_report(r.report)) is not None:
+                released_to_report.append(server)
+                report_to_reply.append(hop - server)
     release = [x["release_seconds"] for x in reports if x.get("release_seconds") is not None]
     return {
         "delete_sent_to_cancelled_ms": ms(sent_to_cancelled),
         "cancel_to_release_ms_report": ms(release),
         "released_to_reply_ms": ms(released_to_reply),
+        "released_to_report_ms": ms(released_to_report),
+        "report_to_reply_ms": ms(report_to_reply),
         "cancels_waited_for_step": sum(1 for x in reports if x.get("in_running_step")),
         "cancel_reports": len(reports),
         "blocks_released_per_cancel": summary([x.get("blocks_released", 0) for x in reports]).mean,
     }
+
+
+def _released_to_report(report: dict[str, Any] | None) -> float | None:
+    """Hop 4's server part, from the CancelReport (the server's clock): the release ->
+    the report made (None from a server that does not say when it made it)."""
+    if not report or report.get("reply_seconds") is None or report.get("release_seconds") is None:
+        return None
+    return float(report["reply_seconds"]) - float(report["release_seconds"])
 
 
 def audit_figures(cancels: list[StreamRecord], audit: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -173,6 +173,10 @@ class CancelRun(Record):
     delete_sent_to_cancelled_ms: Summary | None = None
     #: Hop 4: the audit log's `released` stamp -> the DELETE's answer read (client wall).
     released_to_reply_ms: Summary | None = None
+    #: Hop 4, the server's part: the release -> the CancelReport made (`reply_seconds -
+    #: release_seconds`); and the rest: the report made -> the answer read.
+    released_to_report_ms: Summary | None = None
+    report_to_reply_ms: Summary | None = None
     client: Client | None = None
     #: How late a sleeping process woke during the run with cancels: the machine's
     #: floor under the server's loop lag and every wake-up of a hop.

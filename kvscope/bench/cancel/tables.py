@@ -18,6 +18,8 @@ HOPS = (
     ("3. cancel -> KV released (CancelReport)", "cancel_to_release_ms_report", ("p50", "p99"), "cancel_to_release"),
     ("   cancel -> KV released (audit, all cancels)", "cancel_to_release_ms_audit", (), ""),
     ("4. released (audit) -> DELETE answer read", "released_to_reply_ms", (), ""),
+    ("   4a. released -> report made (server)", "released_to_report_ms", (), ""),
+    ("   4b. report made -> answer read", "report_to_reply_ms", (), ""),
     ("disconnect -> cancelled (audit)", "disconnect_to_cancel_ms", ("p99",), "disconnect_to_cancel"),
 )  # fmt: skip
 
