@@ -4,7 +4,8 @@
 cancels, baseline; alternating which goes first) and pools each kind's samples. Each
 run opens every stream at once on one `aiohttp` session, polls `GET /stats` beside
 them (and samples the core the server's event loop runs on), scrapes `/metrics` before
-and after (for the loop-lag histogram of the run alone) and times the client's own CPU. `settle` reads `/stats` once nothing is live.
+and after (for the loop-lag histogram of the run alone) and times the client's own CPU.
+`settle` reads `/stats` once nothing is live.
 """
 
 from __future__ import annotations
