@@ -204,6 +204,12 @@ class SamplingParams:
     #: Log-probabilities of each chosen token and of the `logprobs` most likely
     #: alternatives (0: the chosen token's only); None: none.
     logprobs: int | None = _bounded(None, Bound(0, MAX_LOGPROBS, integer=True), optional=True)
+    #: The same for each prompt token after the first, given the tokens before it
+    #: (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`). Such a request
+    #: computes its whole prompt: it takes no cached prefix and shares no sibling's.
+    prompt_logprobs: int | None = _bounded(
+        None, Bound(0, MAX_LOGPROBS, integer=True), optional=True
+    )
     presence_penalty: float = _bounded(0.0, PENALTY)
     frequency_penalty: float = _bounded(0.0, PENALTY)
     #: vLLM's (and transformers'): divides a positive logit of a token already in the

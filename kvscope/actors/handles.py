@@ -30,7 +30,13 @@ class _Cursor:
         """The next delta, or None if there is none yet (or, once ended, any more)."""
         if state.folded:  # the per-token log is gone: the rest in one delta
             kept = tuple(state.logprobs[self.tokens :]) if state.logprobs is not None else ()
-            delta = Delta(state.text[self.chars :], tuple(state.token_ids[self.tokens :]), kept)
+            prompt = state.prompt_logprobs if self.tokens == 0 else None
+            delta = Delta(
+                state.text[self.chars :],
+                tuple(state.token_ids[self.tokens :]),
+                kept,
+                tuple(prompt) if prompt is not None and state.token_ids else None,
+            )
             if not delta.text and not delta.token_ids:
                 return None
         elif self.index < len(state.log):

@@ -57,6 +57,9 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] = ()
+    #: On the delta of the first generated token, of a request that asked for
+    #: `prompt_logprobs`: its prompt's (`Completion.prompt_logprobs`), all scored by then.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -70,6 +73,9 @@ class Completion:
     error: str | None = None
     #: One per token of `token_ids` when the request asked for `logprobs`.
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    #: One per prompt token when the request asked for `prompt_logprobs`: None for the
+    #: first, and for any the request ended before scoring.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def completion_tokens(self) -> int:

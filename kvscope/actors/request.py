@@ -29,6 +29,14 @@ from .sequence import Sequence
 #: Bytes a folded request holds besides its text and token ids: its state, sequence,
 #: events and scope (measured with tracemalloc: about 8 KiB).
 RETAINED_OVERHEAD = 8 * 1024
+#: Bytes one token's `TokenLogprobs` holds, and each alternative in its top k (measured
+#: with tracemalloc).
+LOGPROBS_BYTES = 96
+ALTERNATIVE_BYTES = 128
+
+
+def _logprobs_bytes(logprobs: TokenLogprobs | None) -> int:
+    return 0 if logprobs is None else LOGPROBS_BYTES + ALTERNATIVE_BYTES * len(logprobs.top)
 
 
 class RequestState:
@@ -117,6 +125,11 @@ class RequestState:
                 self.seq.tokens, self.num_prompt_tokens, frozenset(self._stop_ids), guide
             )
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        #: With `prompt_logprobs`: one per prompt token, None for the first (nothing
+        #: predicts it) and for those no step has scored yet.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
+        )
         self._decoder = IncrementalDecoder(tokenizer, self.prompt_ids)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self.text = ""
@@ -254,6 +267,12 @@ class RequestState:
         elif reason is not None:
             self.finish_generation(reason)
 
+    def deliver_prompt_logprobs(self, start: int, logprobs: tuple[TokenLogprobs, ...]) -> None:
+        """Take the log-probabilities of prompt tokens `start + 1` onwards (a chunk
+        from `start` scored them; a recomputed chunk scores them again, alike)."""
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs[start + 1 : start + 1 + len(logprobs)] = logprobs
+
     def _truncate_at_stop_string(self) -> bool:
         longest = max(len(s) for s in self.params.stop)
         window_start = max(0, self._emitted - longest)
@@ -272,8 +291,14 @@ class RequestState:
         if token is not None or new_text:
             token_ids = (token,) if token is not None else ()
             kept = (logprobs,) if logprobs is not None and self.logprobs is not None else ()
-            self.log.append(Delta(new_text, token_ids, kept))
+            self.log.append(Delta(new_text, token_ids, kept, self._prompt_logprobs_with(token)))
             self._notify()
+
+    def _prompt_logprobs_with(self, token: int | None) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt's log-probabilities, for the delta of the first token only."""
+        if token is None or self.prompt_logprobs is None or len(self.token_ids) != 1:
+            return None
+        return tuple(self.prompt_logprobs)
 
     def take_waiters(self) -> list[anyio.Event]:
         """The events its readers wait on, for a caller that sets them itself (the step
@@ -321,6 +346,8 @@ class RequestState:
             + len(self.text) * 4  # at most 4 bytes a character; usually 1
             + len(self.token_ids) * array("l").itemsize
             + len(self.children) * 8
+            + sum(map(_logprobs_bytes, self.logprobs or ()))
+            + sum(map(_logprobs_bytes, self.prompt_logprobs or ()))
         )
 
     # -- views ------------------------------------------------------------------------
@@ -338,6 +365,9 @@ class RequestState:
             cancel_reason=self.cancel_reason,
             error=self.error,
             logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=(
+                tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None
+            ),
         )
 
     def info(self) -> RequestInfo:

@@ -269,7 +269,9 @@ class Scheduler:
 
     def _shared_prefix(self, seq: Sequence) -> tuple[list[int], int]:
         """Blocks `seq` can share (its parent's, else cached ones) and the tokens they
-        cover; at least one token is always left to compute, for the logits."""
+        cover; at least one token is always left to compute, for the logits. A
+        sequence with `prompt_logprobs` shares none: it needs every prompt token's
+        logits (its `share_target` is 0, and its full blocks still enter the cache)."""
         size = self.block_size
         parent = seq.fork_from
         if parent is not None and parent.block_table and parent in self._members:
@@ -278,6 +280,8 @@ class Scheduler:
                 seq.block_hashes = parent.block_hashes[: shared_tokens // size]
                 return parent.block_table[: blocks_needed(shared_tokens, size)], shared_tokens
         extend_hashes(seq.block_hashes, seq.tokens, len(seq.tokens), size, seq.cache_salt)
+        if seq.params.prompt_logprobs is not None:
+            return [], 0
         hits = self.pool.lookup(seq.block_hashes)
         hits = hits[: (len(seq.tokens) - 1) // size]
         return hits, len(hits) * size

@@ -28,6 +28,8 @@ class SequenceOwner(Protocol):
 
     def deliver(self, token: int, logprobs: TokenLogprobs | None = None) -> None: ...
 
+    def deliver_prompt_logprobs(self, start: int, logprobs: tuple[TokenLogprobs, ...]) -> None: ...
+
     def finish_generation(self, reason: str, error: str | None = None) -> None: ...
 
     def take_waiters(self) -> list[anyio.Event]: ...
@@ -90,7 +92,8 @@ class Sequence:
         # for the parent to compute that prefix rather than computing it twice.
         self.fork_from = fork_from
         self.share_target = 0
-        if fork_from is not None:
+        # A request that scores its prompt computes all of it (`_shared_prefix`).
+        if fork_from is not None and self.params.prompt_logprobs is None:
             common = 0
             for mine, theirs in zip(self.tokens, fork_from.tokens, strict=False):
                 if mine != theirs:

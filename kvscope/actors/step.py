@@ -232,9 +232,12 @@ class StepActor:
             if failure is not None:
                 seq.owner.finish_generation("error", error=f"model step failed: {failure!r}")
             elif tokens is not None:
+                start = seq.num_computed
                 self.scheduler.advance(seq, num_new)
                 token = tokens[index]
-                if token is not None:
+                if token is not None and token.prompt_logprobs:
+                    seq.owner.deliver_prompt_logprobs(start, token.prompt_logprobs)
+                if token is not None and token.token is not None:
                     seq.owner.deliver(token.token, token.logprobs)
         self.readers.wake(waiters)
 
@@ -264,6 +267,8 @@ class StepActor:
     def _chunk_input(self, seq: Sequence, num_new: int) -> ChunkInput:
         start = seq.num_computed
         end = start + num_new
+        # With `prompt_logprobs`: each row scores the prompt token after it, if any.
+        scored = seq.params.prompt_logprobs is not None
         return ChunkInput(
             token_ids=seq.tokens[start:end],
             start=start,
@@ -272,4 +277,7 @@ class StepActor:
             params=seq.params,
             generator=seq.generator,
             state=getattr(seq.owner, "sampling", None),
+            prompt_targets=seq.tokens[start + 1 : min(end + 1, seq.num_prompt_tokens)]
+            if scored
+            else [],
         )

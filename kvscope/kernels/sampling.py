@@ -34,10 +34,13 @@ class TokenLogprobs:
 
 @attrs.frozen
 class Sampled:
-    """One row's draw."""
+    """One chunk's output: its draw (`token` is None for a chunk that reaches no
+    sequence's end) and, for a request that asked for `prompt_logprobs`, those of the
+    prompt tokens its rows predict (`ChunkInput.prompt_targets`)."""
 
-    token: int
+    token: int | None
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Guide(Protocol):
@@ -207,19 +210,26 @@ def logprobs_of(
     logits: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams], rows: list[int]
 ) -> list[TokenLogprobs]:
     """The raw log-probabilities of the chosen tokens of `rows` and their top k."""
+    chosen = logits[torch.tensor(rows, device=logits.device)]
+    ks = [params[r].logprobs or 0 for r in rows]
+    return token_logprobs(chosen, [tokens[r] for r in rows], ks)
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Row i's log-probability of `targets[i]` and its `ks[i]` most likely tokens."""
     device = logits.device
-    logprobs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
-    chosen_ids = torch.tensor([tokens[r] for r in rows], device=device).unsqueeze(1)
-    chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
-    k = max(params[r].logprobs or 0 for r in rows)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target_ids = torch.tensor(targets, device=device).unsqueeze(1)
+    chosen = logprobs.gather(1, target_ids).squeeze(1).tolist()
+    k = max(ks, default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
-    result = []
-    for j, row in enumerate(rows):
-        n = params[row].logprobs or 0
-        top = tuple(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True))
-        result.append(TokenLogprobs(chosen[j], top))
-    return result
+    return [
+        TokenLogprobs(
+            chosen[j], tuple(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True))
+        )
+        for j, n in enumerate(ks)
+    ]
 
 
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

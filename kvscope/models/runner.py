@@ -3,7 +3,8 @@
 It owns the model and the K/V tensors. `execute` receives an immutable snapshot of the
 step (`StepInput`, built on the event loop, so the loop may change sequences while the
 forward runs), applies copy-on-write block copies, builds the flat batch and the
-attention metadata once, runs the forward, and samples the rows that need a token.
+attention metadata once, runs the forward, samples the rows that need a token, and
+scores the prompt tokens of the chunks that ask (`prompt_logprobs`).
 
 `StepControl` is how the event loop talks to a running step. At each checkpoint of the
 forward (before every layer's attention and MLP, and between the pieces of a long
@@ -28,7 +29,7 @@ import torch
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
-from kvscope.kernels.sampling import RowState, Sampled, sample
+from kvscope.kernels.sampling import RowState, Sampled, TokenLogprobs, sample, token_logprobs
 from kvscope.params import SamplingParams
 from kvscope.scheduling import as_model_thread
 
@@ -48,6 +49,9 @@ class ChunkInput:
     params: SamplingParams
     generator: torch.Generator | None
     state: RowState | None = None  # the request's tokens and grammar, when sampling needs them
+    #: For a request with `prompt_logprobs`: the prompt tokens this chunk's first rows
+    #: predict (each row the token after its own), whose log-probabilities it returns.
+    prompt_targets: list[int] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -130,8 +134,8 @@ class ModelRunner:
         return StepControl()
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
-        """Run one step; returns the sampled token of each chunk (None if it samples
-        none or was dropped)."""
+        """Run one step; returns each chunk's output: its token and prompt scores (None
+        if it has neither or was dropped)."""
         return self.execute_on(self.kv_cache, self.gaps, step, control)
 
     def execute_on(
@@ -177,29 +181,67 @@ class ModelRunner:
         pruner: _Pruner | None,
         slicer: LinearSlicer | None,
     ) -> list[Sampled | None]:
-        """Draw the tokens of the chunks that sample; `hidden`'s rows are `in_batch`'s
-        chunks, and only those still in `live` at the end get their token."""
-        tokens: list[Sampled | None] = [None] * len(chunks)
-        rows, samplers, row = [], [], 0
+        """Draw the tokens of the chunks that sample, and score the prompt tokens of
+        those that ask; `hidden`'s rows are `in_batch`'s chunks, and only those still
+        in `live` at the end get an output."""
+        rows, samplers, scored, row = [], [], [], 0
         for index in in_batch:
-            row += len(chunks[index].token_ids)
-            if chunks[index].sample:
+            chunk = chunks[index]
+            if chunk.prompt_targets:
+                scored.append((index, row))
+            row += len(chunk.token_ids)
+            if chunk.sample:
                 rows.append(row - 1)
                 samplers.append(index)
+        drawn: dict[int, Sampled] = {}
         if rows:
             logits = self.model.logits(
                 hidden[torch.tensor(rows, device=self.device)], pruner, slicer
             )
-            drawn = sample(
+            sampled = sample(
                 logits,
                 [chunks[i].params for i in samplers],
                 [chunks[i].generator for i in samplers],
                 [chunks[i].state for i in samplers],
             )
-            for index, token in zip(samplers, drawn, strict=True):
-                if index in live:  # not released at a checkpoint in the output head
-                    tokens[index] = token
+            drawn = dict(zip(samplers, sampled, strict=True))
+        prompt = self._score_prompts(chunks, scored, hidden, pruner, slicer)
+        tokens: list[Sampled | None] = [None] * len(chunks)
+        for index in live:  # not released at a checkpoint in the output head
+            token = drawn.get(index)
+            if index in prompt:
+                token = attrs.evolve(token or Sampled(None), prompt_logprobs=prompt[index])
+            tokens[index] = token
         return tokens
+
+    def _score_prompts(
+        self,
+        chunks: list[ChunkInput],
+        scored: list[tuple[int, int]],
+        hidden: torch.Tensor,
+        pruner: _Pruner | None,
+        slicer: LinearSlicer | None,
+    ) -> dict[int, tuple[TokenLogprobs, ...]]:
+        """The log-probabilities of each scored chunk's `prompt_targets`, from the rows
+        starting at its first row in `hidden` (one output-head pass for them all)."""
+        if not scored:
+            return {}
+        rows: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        for index, first in scored:
+            chunk = chunks[index]
+            rows.extend(range(first, first + len(chunk.prompt_targets)))
+            targets += chunk.prompt_targets
+            ks += [chunk.params.prompt_logprobs or 0] * len(chunk.prompt_targets)
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)], pruner, slicer)
+        values = token_logprobs(logits, targets, ks)
+        out, at = {}, 0
+        for index, _ in scored:
+            count = len(chunks[index].prompt_targets)
+            out[index] = tuple(values[at : at + count])
+            at += count
+        return out
 
     def metadata(self, chunks: list[ChunkInput], live: list[int]) -> AttentionMetadata:
         return build_metadata(

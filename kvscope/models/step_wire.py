@@ -8,7 +8,8 @@ the answer's 32 `Sampled` instances ~40 µs more in the worker; as plain tuples,
 each request's parameters sent once, the step takes 12 and 16 µs and the answer a few
 (measured on the 2-core benchmark machine). So:
 
-* a row crosses as a tuple `(token_ids, start, block_table, sample, params key, state)`;
+* a row crosses as a tuple `(token_ids, start, block_table, sample, params key, state,
+  prompt_targets)`;
 * `StepEncoder` (the engine's side, one per worker) gives each `SamplingParams` object
   a key and sends it with the first step that uses it; the worker's `StepDecoder` keeps
   it under that key. A key unused for `FORGET_AFTER` steps is forgotten on both sides
@@ -20,9 +21,10 @@ each request's parameters sent once, the step takes 12 and 16 µs and the answer
   multiprocessing's resource-sharer thread, with an HMAC handshake, per tensor per step
   (measured: most of the parent's GIL time in a step at 32 sampled rows); bytes are
   copied in the pickle;
-* the answer is `("done", tokens, logprobs, states)`: the token of each row (-1 for a
-  row that drew none), the log-probabilities of the rows that have them by row, and
-  the generators' states; or `("aborted",)` or `("error", text)`.
+* the answer is `("done", tokens, logprobs, states, prompt)`: the token of each row
+  (-1 for a row that drew none), the log-probabilities of the rows that have them by
+  row, the generators' states, and the prompt log-probabilities of the rows that
+  scored their prompt tokens, by row; or `("aborted",)` or `("error", text)`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ FORGET_AFTER = 256
 #: The encoder looks for keys to forget once every this many steps.
 FORGET_EVERY = 64
 
-Row = tuple[list[int], int, list[int], bool, int, Any]
+Row = tuple[list[int], int, list[int], bool, int, Any, list[int]]
 #: A step on the wire: rows, block copies, new parameters by key, keys to forget after
 #: this step, and the rows' generator states.
 StepMessage = tuple[
@@ -67,7 +69,15 @@ class StepEncoder:
         for chunk in step.chunks:
             key = self._key(chunk.params, new)
             rows.append(
-                (chunk.token_ids, chunk.start, chunk.block_table, chunk.sample, key, chunk.state)
+                (
+                    chunk.token_ids,
+                    chunk.start,
+                    chunk.block_table,
+                    chunk.sample,
+                    key,
+                    chunk.state,
+                    chunk.prompt_targets,
+                )
             )
         states = [_bytes(c.generator) if c.generator is not None else None for c in step.chunks]
         forget = self._forget() if self._steps % FORGET_EVERY == 0 else []
@@ -105,8 +115,12 @@ class StepDecoder:
         rows, copies, new, forget, states = message
         self._params.update(new)
         chunks = [
-            ChunkInput(ids, start, table, sample, self._params[key], _generator(raw), state)
-            for (ids, start, table, sample, key, state), raw in zip(rows, states, strict=True)
+            ChunkInput(
+                ids, start, table, sample, self._params[key], _generator(raw), state, targets
+            )
+            for (ids, start, table, sample, key, state, targets), raw in zip(
+                rows, states, strict=True
+            )
         ]
         for key in forget:  # none of them is used by this step
             del self._params[key]
@@ -120,14 +134,15 @@ class StepDecoder:
 
 def encode_answer(tokens: list[Sampled | None], step: StepInput) -> tuple[Any, ...]:
     """(the worker) The answer to `step`: its tokens, log-probabilities and generators."""
-    ids = [-1 if row is None else row.token for row in tokens]
+    ids = [-1 if row is None or row.token is None else row.token for row in tokens]
     logprobs = {
         i: row.logprobs
         for i, row in enumerate(tokens)
         if row is not None and row.logprobs is not None
     }
     states = [_bytes(c.generator) if c.generator is not None else None for c in step.chunks]
-    return "done", ids, logprobs, states
+    prompt = {i: row.prompt_logprobs for i, row in enumerate(tokens) if row and row.prompt_logprobs}
+    return "done", ids, logprobs, states, prompt
 
 
 def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
@@ -138,11 +153,16 @@ def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
         raise StepAborted
     if kind != "done":
         raise RuntimeError(f"model worker: {message[1]}")
-    _, ids, logprobs, states = message
+    _, ids, logprobs, states, prompt = message
     for chunk, state in zip(step.chunks, states, strict=True):
         if chunk.generator is not None and state is not None:
             chunk.generator.set_state(_tensor(state))
-    return [None if token < 0 else Sampled(token, logprobs.get(i)) for i, token in enumerate(ids)]
+    return [
+        None
+        if token < 0 and i not in prompt
+        else Sampled(None if token < 0 else token, logprobs.get(i), prompt.get(i, ()))
+        for i, token in enumerate(ids)
+    ]
 
 
 def _bytes(generator: torch.Generator) -> bytes:

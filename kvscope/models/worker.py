@@ -427,7 +427,7 @@ class ProcessRunner:
             except (EOFError, OSError) as exc:
                 raise self._died() from exc
             for index, guide in guided:
-                if (row := sampled[index]) is not None:
+                if (row := sampled[index]) is not None and row.token is not None:
                     guide.accept(row.token)
             return sampled
 

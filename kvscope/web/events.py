@@ -6,7 +6,7 @@ yields them as JSON text, encoded once for either transport. A token event is th
 per-token path: `TokenEvents` fills a template built from the request's id with the
 delta's text and token ids, giving the same text as `dumps(token_event(...))`
 (tests/web/test_sse_body.py holds the two together); a delta with log-probabilities
-takes the general path.
+(its tokens' or, on the first, the prompt's) takes the general path.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from kvscope import Delta, Engine
+from kvscope.kernels.sampling import TokenLogprobs
 
 from .sse import dumps
 
@@ -30,11 +31,16 @@ def token_event(request_id: str, delta: Delta) -> Event:
         "token_ids": list(delta.token_ids),
     }
     if delta.logprobs:  # asked for with `logprobs`: one entry per token id
-        event["logprobs"] = [
-            {"logprob": lp.logprob, "top": [[token, value] for token, value in lp.top]}
-            for lp in delta.logprobs
+        event["logprobs"] = [_logprobs(lp) for lp in delta.logprobs]
+    if delta.prompt_logprobs is not None:  # with `prompt_logprobs`, on the first token's
+        event["prompt_logprobs"] = [
+            None if lp is None else _logprobs(lp) for lp in delta.prompt_logprobs
         ]
     return event
+
+
+def _logprobs(lp: TokenLogprobs) -> Event:
+    return {"logprob": lp.logprob, "top": [[token, value] for token, value in lp.top]}
 
 
 class TokenEvents:
@@ -45,7 +51,7 @@ class TokenEvents:
         self._open = dumps({"type": "token", "id": request_id})[:-1] + ',"text":'
 
     def json(self, delta: Delta) -> str:
-        if delta.logprobs:
+        if delta.logprobs or delta.prompt_logprobs is not None:
             return dumps(token_event(self.request_id, delta))
         ids = ",".join(map(str, delta.token_ids))
         return f'{self._open}{encode_basestring_ascii(delta.text)},"token_ids":[{ids}]}}'

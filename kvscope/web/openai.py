@@ -11,9 +11,10 @@ prompt's sample 0: `DELETE /requests/{id}` cancels that family.
 
 What a body asks is honoured or refused with a 400 naming the field (`param`), never
 ignored: unknown fields, a model this server does not run (404), `max_tokens` beyond
-the context, a non-JSON `Content-Type`, `stream_options` without `stream`, `best_of`,
-tools, `echo` with `logprobs` (prompt log-probabilities are not computed). Errors are
-in OpenAI's shape (see `errors`).
+the context, a non-JSON `Content-Type`, `stream_options` without `stream`,
+`prompt_logprobs` with `stream` (as vLLM), `best_of`, tools. `echo` with `logprobs`
+scores the prompt too (its log-probabilities come first, the first token's null, as
+vLLM's do). Errors are in OpenAI's shape (see `errors`).
 """
 
 from __future__ import annotations
@@ -72,14 +73,9 @@ async def completions() -> Any:
     body = await _read(CompletionBody)
     if body.best_of not in (None, 1):
         raise ApiError(400, "best_of is not supported (use n)", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise ApiError(
-            400, "echo with logprobs is not supported (no prompt logprobs)", param="echo"
-        )
     prompts = [await prompt_ids(ctx.engine, p) for p in batch(body.prompt)]
     plans = [(ids, max_tokens(ctx.engine, len(ids), body.max_tokens, "prompt")) for ids in prompts]
-    echo = [ctx.engine.tokenizer.decode(ids) for ids in prompts] if body.echo else None
-    return await complete(ctx, plans, body, chat=False, echo=echo)
+    return await complete(ctx, plans, body, chat=False)
 
 
 @blueprint.post("/chat/completions")
@@ -132,6 +128,9 @@ async def _read(model: type[B]) -> B:
         _check_model(engine, body.model)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+    if body.prompt_logprobs is not None and body.stream:
+        # vLLM's rule too; `echo` with `logprobs` streams the prompt's scores instead.
+        raise ApiError(400, "prompt_logprobs is not streamed", param="prompt_logprobs")
     return body
 
 

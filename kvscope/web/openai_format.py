@@ -1,7 +1,8 @@
 """How OpenAI's responses look: choices, log-probabilities, usage and stream chunks.
 
 `Choices` shows a choice's text and log-probabilities in the completions or the chat
-format. `ChunkFormat` builds a streamed response's chunk objects; the chunk sent for
+format, with the echoed prompt's first (completions with `echo`, scored with
+`logprobs`). `ChunkFormat` builds a streamed response's chunk objects; the chunk sent for
 each token (a text delta without log-probabilities) is the per-token path, so it is
 pre-built as a JSON template around the one string that changes, and `text_chunk`
 gives the same bytes as `sse.encode(chunk(index, text, None))` at a fraction of the
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from kvscope import Engine
+from kvscope import Completion, Engine
 from kvscope.kernels.sampling import TokenLogprobs
 
 from .openai_schemas import OpenAISampling
@@ -33,17 +34,73 @@ class Choices:
     """How a choice's text and log-probabilities are shown, in OpenAI's formats."""
 
     def __init__(
-        self, engine: Engine, body: OpenAISampling, *, chat: bool, echo: list[str] | None
+        self, engine: Engine, body: OpenAISampling, prompts: list[list[int]], *, chat: bool
     ) -> None:
         self.engine = engine
         self.chat = chat
         self.n = body.n
-        self.echo = echo
+        self.prompts = prompts  # choice i is prompts[i // n]'s
+        echo = getattr(body, "echo", False)  # completions only
+        self.echo = [engine.tokenizer.decode(ids) for ids in prompts] if echo else None
         self.wanted = body.logprobs_wanted is not None
+        #: The echoed prompts' log-probabilities come before the completions'.
+        self.scores_echo = echo and self.wanted
 
     def prefix(self, index: int) -> str:
         """The echoed prompt of choice `index` (completions with `echo`)."""
         return self.echo[index // self.n] if self.echo is not None else ""
+
+    def of_result(self, result: Completion, index: int) -> dict[str, Any] | None:
+        """The log-probabilities of choice `index`'s whole answer: its echoed prompt's
+        (if scored), then its tokens'."""
+        generated = self.logprobs(result.token_ids, result.logprobs, index)
+        prompt = self.prompt_logprobs(index, result.prompt_logprobs)
+        if prompt is None or generated is None:
+            return generated
+        return {key: prompt[key] + generated[key] for key in prompt}
+
+    def vllm_prompt_logprobs(
+        self, index: int, logprobs: Sequence[TokenLogprobs | None] | None
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs` of choice `index`: per prompt token, None for the
+        first, else `{token id: {logprob, rank, decoded_token}}` for the token itself
+        and the top k (rank 1 the most likely; the token's own rank is null when it is
+        not among them)."""
+        if logprobs is None:
+            return None
+        ids = self.prompts[index // self.n]
+        out: list[dict[str, Any] | None] = []
+        for token, lp in zip(ids, logprobs, strict=True):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {
+                str(t): {"logprob": v, "rank": rank, "decoded_token": self.token_text(t)}
+                for rank, (t, v) in enumerate(lp.top, start=1)
+            }
+            entry.setdefault(
+                str(token),
+                {"logprob": lp.logprob, "rank": None, "decoded_token": self.token_text(token)},
+            )
+            out.append(entry)
+        return out
+
+    def prompt_logprobs(
+        self, index: int, logprobs: Sequence[TokenLogprobs | None] | None
+    ) -> dict[str, Any] | None:
+        """The completions-format log-probabilities of choice `index`'s echoed prompt
+        (the first token's null: nothing predicts it). Offsets index the echoed text,
+        where a special token (a BOS) shows no text."""
+        if not self.scores_echo or logprobs is None:
+            return None
+        ids = self.prompts[index // self.n]
+        tokens = [self.token_text(t) for t in ids]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob if lp is not None else None for lp in logprobs],
+            "top_logprobs": [self._top(lp) if lp is not None else None for lp in logprobs],
+            "text_offset": _offsets([len(self.engine.tokenizer.decode([t])) for t in ids], 0),
+        }
 
     def token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token], skip_special_tokens=False)
@@ -69,16 +126,11 @@ class Choices:
                 "refusal": None,
             }
         tokens = [self.token_text(t) for t in token_ids]
-        offsets = []
-        at = offset or len(self.prefix(index))
-        for text in tokens:
-            offsets.append(at)
-            at += len(text)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [self._top(lp) for lp in logprobs],
-            "text_offset": offsets,
+            "text_offset": _offsets(list(map(len, tokens)), offset or len(self.prefix(index))),
         }
 
     def _top(self, logprobs: TokenLogprobs) -> dict[str, float]:
@@ -94,6 +146,15 @@ class Choices:
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _offsets(lengths: list[int], start: int) -> list[int]:
+    """Where each token's text starts, given their lengths, the first at `start`."""
+    offsets = []
+    for length in lengths:
+        offsets.append(start)
+        start += length
+    return offsets
 
 
 class ChunkFormat:

@@ -77,11 +77,10 @@ async def complete(
     body: OpenAISampling,
     *,
     chat: bool,
-    echo: list[str] | None = None,
 ) -> Any:
     """Run the call and answer it: an SSE stream with `stream`, else the whole response."""
     jobs = await start(ctx, plans, body)
-    view = Choices(ctx.engine, body, chat=chat, echo=echo)
+    view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
     fmt = ChunkFormat(jobs[0].id, int(time.time()), ctx.engine.model_name, chat=chat)
     if body.stream:
         chunks = stream_chunks(jobs, body, view, fmt)
@@ -100,7 +99,9 @@ async def complete(
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = view.logprobs(result.token_ids, result.logprobs, index)
+        choice["logprobs"] = view.of_result(result, index)
+        if body.prompt_logprobs is not None and not chat:
+            choice["prompt_logprobs"] = view.vllm_prompt_logprobs(index, result.prompt_logprobs)
         choices.append(choice)
     prompt_tokens = sum(len(ids) for ids, _ in plans)
     completion_tokens = sum(r.completion_tokens for r in results)
@@ -110,6 +111,8 @@ async def complete(
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
     }
+    if body.prompt_logprobs is not None and chat:  # vLLM's place for the one prompt's
+        answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
     return answer, 200, {"X-Request-Id": jobs[0].id}
 
 
@@ -119,16 +122,24 @@ async def stream_chunks(
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
     `index`), the usage chunk if asked, `[DONE]`."""
     chat = view.chat
+    # An echo scored with `logprobs` waits for its prompt's log-probabilities, which
+    # come with the sample's first token (or its end).
+    echo_later = set(range(len(jobs))) if view.scores_echo else set()
     opening = [
         fmt.chunk(i, "", None, role=True) if chat else fmt.chunk(i, view.prefix(i), None)
         for i in range(len(jobs))
-        if chat or view.prefix(i)
+        if (chat or view.prefix(i)) and i not in echo_later
     ]
     if opening:
         yield b"".join(map(encode, opening))
     completion_tokens, left, last = 0, len(jobs), b""
     offsets = [len(view.prefix(i)) for i in range(len(jobs))]
     async for index, delta in merge_streams(jobs):
+        if index in echo_later and (delta is None or delta.token_ids):
+            echo_later.discard(index)
+            scored = jobs[index].result.prompt_logprobs if delta is None else delta.prompt_logprobs
+            logprobs = view.prompt_logprobs(index, scored)
+            yield encode(fmt.chunk(index, view.prefix(index), None, logprobs=logprobs))
         if delta is None:
             result = jobs[index].result
             completion_tokens += result.completion_tokens

@@ -4,10 +4,9 @@ Refused, never ignored: a field that is not declared here is a 400 naming it (a 
 that changes the output and is silently dropped is a wrong answer that looks right).
 Fields with no effect on the output (`user`, `metadata`, `store`, `service_tier`,
 `parallel_tool_calls`) are declared and ignored. Declared fields kvscope cannot honour
-in every value (`best_of`, `tools`, `tool_choice`, `response_format`, `echo` with
-`logprobs`) are checked by the route, which names them in its 400. `top_k`,
-`ignore_eos`, `stop_token_ids`, `min_tokens`, `repetition_penalty` and `priority` are
-the usual vLLM extensions. Numeric ranges are built from the `Bound`s of
+in every value (`best_of`, `tools`, `tool_choice`, `response_format`) are checked by
+the route, which names them in its 400. `top_k`, `ignore_eos`, `stop_token_ids`,
+`min_tokens`, `repetition_penalty` and `priority` are the usual vLLM extensions. Numeric ranges are built from the `Bound`s of
 `kvscope.params` (`sampling_field`), never restated; the only limits of this module's
 own are OpenAI's: `temperature` up to 2 (a narrowing of `SamplingParams`' range) and
 `n` (and `best_of`) up to `MAX_N`.
@@ -62,7 +61,7 @@ class ResponseFormat(BaseModel):
 class OpenAISampling(BaseModel):
     """Fields both routes take. Any other field is refused with a 400 naming it (for
     example `suffix`, `functions`, `modalities`, `use_beam_search`); `best_of` above 1,
-    `tools`, `tool_choice` other than `none` and `echo` with `logprobs` are refused too.
+    `tools` and `tool_choice` other than `none` are refused too.
     `user`, `metadata`, `store` and `service_tier` have no effect on the output and are
     accepted. Log-probabilities are the model's raw ones (before penalties, bias,
     grammar, temperature, top-k and top-p), as vLLM's default."""
@@ -90,6 +89,9 @@ class OpenAISampling(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = sampling_field("min_tokens")
     repetition_penalty: float = sampling_field("repetition_penalty")
+    prompt_logprobs: int | None = sampling_field(
+        "prompt_logprobs", description="vLLM's: each prompt token's and the top k; not streamed"
+    )
     priority: int = bounded_field(PRIORITY, 0)
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: constrained decoding"
@@ -121,6 +123,7 @@ class OpenAISampling(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
             "logprobs": self.logprobs_wanted,
+            "prompt_logprobs": self.prompt_logprobs_wanted,
         }
         optional = {
             "stop": self.stop,
@@ -142,6 +145,12 @@ class OpenAISampling(BaseModel):
         return None
 
     @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many alternatives per prompt token to report (None: the prompt's are
+        not scored)."""
+        return self.prompt_logprobs
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -159,6 +168,14 @@ class CompletionBody(OpenAISampling):
     @property
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """`prompt_logprobs`, or `echo` with `logprobs` (the echoed prompt's tokens are
+        scored too); the more alternatives of the two."""
+        echoed = self.logprobs if self.echo else None
+        asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(asked) if asked else None
 
 
 class ChatMessage(BaseModel):

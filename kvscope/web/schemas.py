@@ -62,6 +62,10 @@ class Sampling(Strict):
     logprobs: int | None = sampling_field(
         "logprobs", description="each token's log-probability and the top k (raw model logits)"
     )
+    prompt_logprobs: int | None = sampling_field(
+        "prompt_logprobs",
+        description="the same for each prompt token, on the first token event (vLLM's)",
+    )
     presence_penalty: float = sampling_field(
         "presence_penalty", description="subtracted once from tokens already out"
     )

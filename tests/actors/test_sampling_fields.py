@@ -1,13 +1,17 @@
 """The sampling fields beyond temperature/top-k/top-p through the Python API, on both
-backends: logprobs follow the tokens in every delta, a ban and the penalties change the
-greedy path, and a seeded penalized request gives the same tokens alone or batched."""
+backends: logprobs follow the tokens in every delta, prompt logprobs score every prompt
+token however it was computed, a ban and the penalties change the greedy path, and a
+seeded penalized request gives the same tokens alone or batched."""
 
 from __future__ import annotations
+
+import threading
 
 import anyio
 import pytest
 
 from kvscope import Engine, InvalidRequest, SamplingParams
+from tests.conftest import open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -83,3 +87,68 @@ async def test_structured_output_through_the_python_api(engine: Engine):
     assert len(out.text) == 4 and out.text.isdigit()
     with pytest.raises(InvalidRequest, match="guided_json"):
         await engine.generate("x", guided_json={"type": "no-such-type"})
+
+
+async def prompt_scores(engine: Engine, prompt: list[int], **options: object) -> list[float | None]:
+    out = await engine.generate(prompt, max_tokens=2, prompt_logprobs=2, **GREEDY, **options)
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None  # nothing predicts the first token
+    for lp in out.prompt_logprobs[1:]:
+        assert lp is not None and len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] >= lp.logprob
+    return [lp.logprob if lp is not None else None for lp in out.prompt_logprobs]
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+async def test_prompt_logprobs_score_every_prompt_token_whatever_was_cached(worker: str):
+    """Each prompt token's log-probability given those before it: the same in one
+    prefill step as in chunks of 3, after the prompt's blocks entered the prefix cache
+    (a scoring request takes no cached prefix), and for each of `n` samples (which
+    share no sibling's prompt); its first token's delta carries them."""
+    async with open_engine(worker=worker, block_size=4, max_num_batched_tokens=64) as engine:
+        if worker == "process":  # else the first steps may run in the engine's own thread
+            await wait_for(lambda: engine.stats()["worker_pid"] > 0, 60, "the worker ready")
+        prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog again")
+        assert len(prompt) > 12
+        whole = await prompt_scores(engine, prompt)
+        reused = engine.stats()["prompt_tokens_reused"]
+        assert await prompt_scores(engine, prompt) == pytest.approx(whole, abs=1e-5)
+        assert engine.stats()["prompt_tokens_reused"] == reused  # the cache was not read
+        samples = await engine.submit_samples(
+            prompt, n=2, max_tokens=2, prompt_logprobs=0, temperature=1.0, seed=5
+        )
+        for sample in [await job.wait() for job in samples]:
+            assert sample.prompt_logprobs is not None
+            assert [lp.logprob for lp in sample.prompt_logprobs[1:]] == pytest.approx(
+                whole[1:], abs=1e-5
+            )
+            assert all(lp.top == () for lp in sample.prompt_logprobs[1:])
+        async with engine.request(prompt, max_tokens=3, prompt_logprobs=1, **GREEDY) as req:
+            deltas = [delta async for delta in req]
+        assert deltas[0].prompt_logprobs == req.result.prompt_logprobs
+        assert all(delta.prompt_logprobs is None for delta in deltas[1:])
+    async with open_engine(worker=worker, block_size=4, max_num_batched_tokens=3) as engine:
+        assert await prompt_scores(engine, prompt) == pytest.approx(whole, abs=1e-4)
+
+
+async def test_a_request_cancelled_mid_prompt_keeps_the_scores_it_had():
+    """Cancelled while its second prefill chunk is held before the forward: the first
+    chunk's tokens keep their scores, the rest are None, nothing leaks (open_engine)."""
+    async with open_engine(block_size=4, max_num_batched_tokens=4) as engine:
+        second, release, calls = threading.Event(), threading.Event(), []
+
+        def hold() -> None:
+            calls.append(None)
+            if len(calls) == 2:
+                second.set()
+                release.wait(30)
+
+        engine.before_forward.append(hold)
+        prompt = engine.tokenizer.encode("one two three four five six seven eight nine ten")
+        job = await engine.submit(prompt, max_tokens=4, prompt_logprobs=0, **GREEDY)
+        assert await anyio.to_thread.run_sync(second.wait, 10), "no second chunk"
+        await engine.cancel(job.id)
+        release.set()
+        result = await job.wait()
+    assert result.finish_reason == "cancelled" and result.prompt_logprobs is not None
+    scored = [lp is not None for lp in result.prompt_logprobs]
+    assert scored == [False] + [True] * 4 + [False] * (len(prompt) - 5)

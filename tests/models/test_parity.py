@@ -2,9 +2,10 @@
 architecture: prefill logits (one-shot, chunked, and batched with decode rows) within
 1e-4 relative in float32, and greedy tokens identical to `generate` when run alone,
 batched with others, beside cancelled requests, through chunked prefill and through a
-prefix-cache hit. bfloat16 loads and runs. The tests with decode rows run twice: on
-the compiled CPU library (decode attention, the fused elementwise steps, the rotary
-embedding with its cache write) and on torch's ops alone.
+prefix-cache hit; prompt log-probabilities equal to `transformers`' log-softmax.
+bfloat16 loads and runs. The tests with decode rows run twice: on the compiled CPU
+library (decode attention, the fused elementwise steps, the rotary embedding with its
+cache write) and on torch's ops alone.
 """
 
 from __future__ import annotations
@@ -264,6 +265,28 @@ async def test_prefix_cache_hit_gives_the_same_tokens(
     assert reused[1] >= (len(first) // 4 - 1) * 4 and reused[2] >= (len(shared) // 4) * 4
     assert list(cold.token_ids) == list(warm_same.token_ids) == hf_greedy(hf, first)
     assert list(warm_other.token_ids) == hf_greedy(hf, second)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_prompt_logprobs_match_transformers(
+    checkpoints: Any, kind: str, open_engine: Any
+) -> None:
+    """Each prompt token's log-probability (and the most likely token before it) is
+    `transformers`' log-softmax of the logits at the token before, through prefill
+    chunks of 5 tokens."""
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    ids = prompts(directory)[1]
+    expected = torch.log_softmax(hf_logits(hf, ids), dim=-1)
+    async with open_engine(
+        str(directory), dtype="float32", block_size=4, max_num_batched_tokens=5
+    ) as engine:
+        out = await engine.generate(ids, temperature=0, max_tokens=1, prompt_logprobs=1)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for position, lp in enumerate(out.prompt_logprobs[1:], start=1):
+        assert lp is not None
+        assert lp.logprob == pytest.approx(expected[position - 1, ids[position]].item(), abs=1e-3)
+        assert lp.top[0][0] == int(expected[position - 1].argmax())
 
 
 @pytest.mark.anyio

@@ -1,8 +1,8 @@
 """The wire format between the engine and its model worker (`models/step_wire.py`): a
 step crosses the pipe (a real pickle, as `Connection` sends it) and comes back the same,
 each request's parameters cross once and are forgotten on both sides when no step has
-used them for a while, and the answer keeps every token, log-probability and generator
-state."""
+used them for a while, and the answer keeps every token, log-probability (the prompt's
+too) and generator state."""
 
 from __future__ import annotations
 
@@ -99,3 +99,17 @@ def test_an_aborted_or_failed_step_raises():
         decode_answer(step, ("aborted",))
     with pytest.raises(RuntimeError, match="model worker: boom"):
         decode_answer(step, ("error", "boom"))
+
+
+def test_prompt_scores_cross_both_ways():
+    """A chunk's `prompt_targets` reach the worker; the scores come back on a chunk
+    that samples and on one that does not (its token None)."""
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+    scoring = ChunkInput([5, 6, 7], 0, [3], False, params, None, None, [6, 7, 8])
+    step = StepInput([_chunk(params), scoring], [])
+    worker_step = _cross(StepEncoder(), StepDecoder(), step)
+    assert [c.prompt_targets for c in worker_step.chunks] == [[], [6, 7, 8]]
+    scores = tuple(TokenLogprobs(-float(i), ((1, -0.1),)) for i in range(3))
+    tokens: list[Sampled | None] = [Sampled(4, None, scores[:1]), Sampled(None, None, scores)]
+    answer = pickle.loads(pickle.dumps(encode_answer(tokens, worker_step)))
+    assert decode_answer(step, answer) == tokens

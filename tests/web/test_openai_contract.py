@@ -153,7 +153,6 @@ def test_fields_that_would_change_the_output_are_refused(client: openai.OpenAI) 
 
     refused(completion(suffix="tail"), "suffix")
     refused(completion(best_of=2, n=1), "best_of")
-    refused(completion(echo=True, logprobs=1), "echo")
     refused(completion(extra_body={"use_beam_search": True}), "use_beam_search")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     refused(chat(tools=[tool]), "tools")

@@ -1,7 +1,8 @@
 """Log-probabilities, penalties and logit bias against hand computations: a tiny
 random Llama checkpoint is served by `kvscope serve`'s app and also run by
 `transformers`; the server's answers (through the `openai` client and the native API)
-must match what its logits give by hand."""
+must match what its logits give by hand, the prompt's scores (`echo` with `logprobs`)
+too."""
 
 from __future__ import annotations
 
@@ -117,6 +118,63 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(
             events = [e for e in sse_events(response.iter_lines()) if e["type"] == "token"]
     native = [lp["logprob"] for e in events for lp in e.get("logprobs", ())]
     assert native == pytest.approx(logprobs.token_logprobs, abs=1e-5)
+
+
+def test_echo_with_logprobs_scores_the_prompt_by_hand(
+    served: tuple[Live, openai.OpenAI], hf_model: Any, checkpoint: Path
+) -> None:
+    """lm-evaluation-harness's log-likelihood call (`echo`, `logprobs`, one new token):
+    the prompt's tokens come first, the first with no log-probability, each other one
+    the log-softmax of the logits before it; streamed, the echo chunk carries them;
+    vLLM's `prompt_logprobs` shows the same numbers, and the native API's first token
+    event carries them."""
+    live, client = served
+    by_hand = torch.log_softmax(hf_model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    expected = [float(by_hand[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
+    call = {"model": checkpoint.name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    out = client.completions.create(**call, echo=True, logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(PROMPT) + 1 == len(logprobs.text_offset)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1 : len(PROMPT)] == pytest.approx(expected, abs=1e-4)
+    for i in range(1, len(PROMPT)):
+        top = by_hand[i - 1].topk(2).values.tolist()
+        assert sorted(logprobs.top_logprobs[i].values(), reverse=True) == pytest.approx(
+            top, abs=1e-4
+        )
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    generated = token_ids(live, out.id)[0]
+    assert logprobs.token_logprobs[-1] == pytest.approx(float(by_hand[-1, generated]), abs=1e-4)
+    stream = client.completions.create(**call, echo=True, logprobs=2, stream=True)
+    chunks = [ch for c in stream for ch in c.choices if ch.logprobs]
+    assert chunks[0].text == out.choices[0].text[: len(chunks[0].text)] and chunks[0].text
+    streamed = [lp for ch in chunks for lp in ch.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:])
+    # vLLM's `prompt_logprobs`: per choice on completions, once on chat; never streamed.
+    vllm = client.completions.create(**call, extra_body={"prompt_logprobs": 1}).model_dump()
+    scores = vllm["choices"][0]["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(PROMPT)
+    for i in range(1, len(PROMPT)):
+        assert scores[i][str(PROMPT[i])]["logprob"] == pytest.approx(expected[i - 1], abs=1e-4)
+        best = int(by_hand[i - 1].argmax())
+        assert scores[i][str(best)]["rank"] == 1
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model=call["model"], messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    ).model_dump()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**call, stream=True, extra_body={"prompt_logprobs": 0})
+    assert refused.value.body["param"] == "prompt_logprobs"
+    with live.client() as http:
+        body = {"prompt_token_ids": PROMPT, "max_tokens": 2, "prompt_logprobs": 0, "stream": True}
+        with http.stream("POST", "/generate", json=body) as response:
+            events = [e for e in sse_events(response.iter_lines()) if e["type"] == "token"]
+    native = events[0]["prompt_logprobs"]
+    assert native[0] is None and [e["logprob"] for e in native[1:]] == pytest.approx(
+        expected, abs=1e-4
+    )
+    assert all("prompt_logprobs" not in e for e in events[1:])
 
 
 def by_hand_greedy(hf_model: Any, steps: int, **fields: Any) -> list[int]:
