@@ -17,9 +17,10 @@ from quart import Quart, request
 from quart_schema import QuartSchema
 from quart_trio import QuartTrio
 
+import kvscope
 from kvscope import Engine
 
-from . import auth, dashboard, errors, jobs, observability, openai, streaming, websocket
+from . import auth, dashboard, errors, jobs, observability, openai, streaming, tokens, websocket
 from .context import ServerContext, server
 from .fast_path import FastPath
 from .guard import BodyGuard
@@ -46,7 +47,7 @@ def create_app(
     app.extensions["kvscope"] = ServerContext(engine, settings, metrics)
     QuartSchema(
         app,
-        info={"title": "kvscope", "version": "0.1.0"},
+        info={"title": "kvscope", "version": kvscope.__version__},
         swagger_ui_path=None,
         redoc_ui_path=None,
         scalar_ui_path=None,
@@ -65,7 +66,7 @@ def create_app(
     app.before_request(_admission_turn)
     context = app.extensions["kvscope"]
     app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
-    for module in (jobs, streaming, websocket, openai, observability, dashboard):
+    for module in (jobs, streaming, websocket, openai, tokens, observability, dashboard):
         app.register_blueprint(module.blueprint)
     return app
 

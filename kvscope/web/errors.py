@@ -3,8 +3,9 @@
 `ApiError` is what routes raise for HTTP-level problems (401, 404, 409, ...); the
 engine's own errors (`kvscope.errors`) map to statuses in `STATUS_OF`. `register(app)`
 installs the handlers, so no route formats an error itself and no bad input turns into
-a 500: only a bug does, and it is logged with its traceback. Routes under `/v1/` answer
-in OpenAI's error shape (the same object plus `param` and `code`).
+a 500: only a bug does, and it is logged with its traceback. Routes under `/v1/`, and
+vLLM's token routes beside them (`OPENAI_SHAPED`), answer in OpenAI's error shape (the
+same object plus `param` and `code`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from werkzeug.exceptions import HTTPException
 from kvscope import errors as engine_errors
 
 log = logging.getLogger("kvscope.web")
+
+
+#: Routes outside `/v1/` whose errors take OpenAI's shape (vLLM's token routes).
+OPENAI_SHAPED = ("/tokenize", "/detokenize")
 
 
 class ApiError(Exception):
@@ -106,7 +111,8 @@ def _where() -> tuple[str, str]:
 
 
 def error_response(error: ApiError) -> Response:
-    openai = _where()[1].startswith("/v1/")
+    path = _where()[1]
+    openai = path.startswith("/v1/") or path in OPENAI_SHAPED
     response = jsonify(
         error_body(error.message, error.type, param=error.param, code=error.code, openai=openai)
     )

@@ -60,7 +60,7 @@ async def list_models() -> Any:
 async def get_model(model_id: str) -> Any:
     """The model `model_id`, if this server runs it (404 otherwise)."""
     ctx = server()
-    _check_model(ctx.engine, model_id)
+    check_model(ctx.engine, model_id)
     return _model_card(ctx)
 
 
@@ -123,9 +123,7 @@ async def _read(model: type[B]) -> B:
         )
     if fmt is not None and fmt.type != "text" and body.guided_json is not None:
         raise ApiError(400, "give response_format or guided_json, not both", param="guided_json")
-    engine = server().engine
-    if body.model is not None:
-        _check_model(engine, body.model)
+    check_model(server().engine, body.model)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
     if body.prompt_logprobs is not None and body.stream:
@@ -134,8 +132,9 @@ async def _read(model: type[B]) -> B:
     return body
 
 
-def _check_model(engine: Engine, name: str) -> None:
-    if name != engine.model_name:
+def check_model(engine: Engine, name: str | None) -> None:
+    """A 404 (`model_not_found`) unless `name` is this server's model (or unset)."""
+    if name is not None and name != engine.model_name:
         raise ApiError(
             404,
             f"The model `{name}` does not exist (this server runs `{engine.model_name}`).",

@@ -34,6 +34,8 @@ def test_keys(backend: str, tmp_path: Path) -> None:
                 ("DELETE", "/requests/req-x"),
                 ("POST", "/v1/completions"),
                 ("GET", "/v1/models"),
+                ("POST", "/tokenize"),
+                ("POST", "/detokenize"),
             ]:
                 for client in (anonymous, wrong):
                     response = client.request(method, path, json={"prompt": "x"})
