@@ -1,9 +1,11 @@
 """Turning OpenAI chat messages into prompt token ids.
 
-A model with a chat template renders it (`LoadedModel.encode_chat`, exactly as
+A model with a chat template renders it (`LoadedModel.render_chat`, exactly as
 transformers would); one without (such as `tiny-random`) gets a plain fallback:
 `role: content` lines, then `assistant:`. Content given as a list of parts keeps its
-text parts.
+text parts. vLLM's options (`ChatTemplateOptions`) apply to both: no generation prompt,
+a prompt that ends inside the final assistant message (as transformers'
+`continue_final_message` cuts it), and more template variables.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from typing import Any
 
 from kvscope import Engine, InvalidRequest
 
-from .openai_schemas import ChatMessage
+from .errors import ApiError
+from .openai_schemas import ChatMessage, ChatTemplateOptions
+
+#: Template variables a request's `chat_template_kwargs` may not set: the renderer's
+#: own arguments and the model's special tokens.
+RESERVED_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
+)
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
@@ -26,7 +35,9 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-async def chat_prompt(engine: Engine, messages: list[ChatMessage]) -> list[int]:
+async def chat_prompt(
+    engine: Engine, messages: list[ChatMessage], options: ChatTemplateOptions
+) -> list[int]:
     """The prompt token ids of `messages`. Their size is checked before rendering (no
     rendered chat is smaller than its contents), and a big chat is rendered and
     tokenized off the event loop."""
@@ -37,10 +48,56 @@ async def chat_prompt(engine: Engine, messages: list[ChatMessage]) -> list[int]:
             f"the messages hold {size} characters; the limit (max_prompt_bytes) is "
             f"{engine.max_prompt_bytes} bytes"
         )
+    variables = _checked(options, plain)
+    # A generation prompt would open a new turn after the one to continue.
+    opens_turn = options.add_generation_prompt and not options.continue_final_message
     if engine.loaded.chat_template is not None:
-        text = await engine.run_off_loop(size, lambda: engine.loaded.render_chat(plain))
+        text = await engine.run_off_loop(
+            size,
+            lambda: engine.loaded.render_chat(plain, add_generation_prompt=opens_turn, **variables),
+        )
     else:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain)
+        text += "assistant:" if opens_turn else ""
+    if options.continue_final_message:
+        text = _cut_after_final(text, plain[-1]["content"])
     # A rendered chat holds its special tokens itself.
     special = engine.loaded.chat_template is None
     return await engine.encode_text(text, add_special_tokens=special, what="the messages")
+
+
+def _checked(options: ChatTemplateOptions, plain: list[dict[str, Any]]) -> dict[str, Any]:
+    """The template variables `options` adds, once its rules hold (400s naming them)."""
+    if options.continue_final_message:
+        if "add_generation_prompt" in options.model_fields_set and options.add_generation_prompt:
+            raise ApiError(
+                400,
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+        if plain[-1]["role"] != "assistant":
+            raise ApiError(
+                400,
+                "continue_final_message needs a final assistant message",
+                param="continue_final_message",
+            )
+    variables = options.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_VARIABLES & set(variables))
+    if reserved:
+        raise ApiError(
+            400, f"chat_template_kwargs may not set {reserved[0]}", param="chat_template_kwargs"
+        )
+    return variables
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """`text` up to the end of the final message's content (transformers' rule for
+    `continue_final_message`: what the template adds after it is dropped)."""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise ApiError(
+            400,
+            "continue_final_message: the chat template does not show the final message's text",
+            param="continue_final_message",
+        )
+    return text[: at + len(final.strip())]

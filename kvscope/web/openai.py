@@ -95,7 +95,7 @@ async def chat_completions() -> Any:
         raise ApiError(
             400, 'tool calling is not supported (tool_choice "none" only)', param="tool_choice"
         )
-    ids = await chat_prompt(ctx.engine, body.messages)
+    ids = await chat_prompt(ctx.engine, body.messages, body)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     plan = (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param))

@@ -184,7 +184,19 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatBody(OpenAISampling):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's options for rendering a chat (`/v1/chat/completions`, `/tokenize`)."""
+
+    add_generation_prompt: bool = Field(True, description="open the assistant's turn")
+    continue_final_message: bool = Field(
+        False, description="end the prompt inside the final (assistant) message"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="more template variables, such as enable_thinking"
+    )
+
+
+class ChatBody(ChatTemplateOptions, OpenAISampling):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)

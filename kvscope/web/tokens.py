@@ -23,14 +23,14 @@ from .chat import chat_prompt
 from .context import server
 from .errors import ApiError
 from .openai import check_model
-from .openai_schemas import ChatMessage
+from .openai_schemas import ChatMessage, ChatTemplateOptions
 from .schemas import Strict
 
 blueprint = Blueprint("tokens", __name__)
 
 
-class TokenizeBody(Strict):
-    """One of `prompt` (text) or `messages` (a chat)."""
+class TokenizeBody(ChatTemplateOptions, Strict):
+    """One of `prompt` (text) or `messages` (a chat, and how to render it)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -54,7 +54,7 @@ async def tokenize() -> Any:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give one of prompt or messages", param="prompt")
     if body.messages is not None:
-        ids = await chat_prompt(engine, body.messages)
+        ids = await chat_prompt(engine, body.messages, body)
     else:
         assert body.prompt is not None
         ids = await engine.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
