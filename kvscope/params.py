@@ -199,6 +199,10 @@ class SamplingParams:
         default=(), converter=_ints, validator=_non_negative_ints
     )
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    #: vLLM's: the text keeps the stop string (or stop token) that ended it.
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    #: vLLM's: special tokens (EOS, chat markers) show no text; False shows theirs.
+    skip_special_tokens: bool = attrs.field(default=True, validator=v.instance_of(bool))
     # What OpenAI and vLLM add (kernels/sampling.py applies them, in vLLM's order: bias,
     # min_tokens, then the penalties, before temperature, top-k and top-p).
     #: Log-probabilities of each chosen token and of the `logprobs` most likely

@@ -130,7 +130,9 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
         )
-        self._decoder = IncrementalDecoder(tokenizer, self.prompt_ids)
+        self._decoder = IncrementalDecoder(
+            tokenizer, self.prompt_ids, skip_special_tokens=params.skip_special_tokens
+        )
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self.text = ""
         self._emitted = 0  # characters of `text` already published
@@ -252,6 +254,8 @@ class RequestState:
         reason = None
         if token in self._stop_ids:
             reason = "stop"
+            if self.params.include_stop_str_in_output:
+                self.text += self._decoder.feed(token)
         else:
             self.text += self._decoder.feed(token)
             if self.params.stop and self._truncate_at_stop_string():
@@ -276,10 +280,11 @@ class RequestState:
     def _truncate_at_stop_string(self) -> bool:
         longest = max(len(s) for s in self.params.stop)
         window_start = max(0, self._emitted - longest)
-        found = [i for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
+        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
         if not found:
             return False
-        self.text = self.text[: min(found)]
+        at, stop = min(found)
+        self.text = self.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
         return True
 
     def _publish(

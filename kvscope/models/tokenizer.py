@@ -94,17 +94,20 @@ class IncrementalDecoder:
     # (SentencePiece-style) see the context that decides it.
     _CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-self._CONTEXT :])
         self._prefix = 0
         self._read = len(self._ids)
 
     def feed(self, token_id: int) -> str:
         self._ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix : self._read])
-        new_text = decode(self._ids[self._prefix :])
+        decode, skip = self._tokenizer.decode, self._skip_special
+        prefix_text = decode(self._ids[self._prefix : self._read], skip_special_tokens=skip)
+        new_text = decode(self._ids[self._prefix :], skip_special_tokens=skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""  # an incomplete character: wait for the next token
         self._prefix, self._read = self._read, len(self._ids)

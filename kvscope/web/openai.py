@@ -73,7 +73,10 @@ async def completions() -> Any:
     body = await _read(CompletionBody)
     if body.best_of not in (None, 1):
         raise ApiError(400, "best_of is not supported (use n)", param="best_of")
-    prompts = [await prompt_ids(ctx.engine, p) for p in batch(body.prompt)]
+    special = body.add_special_tokens
+    prompts = [
+        await prompt_ids(ctx.engine, p, add_special_tokens=special) for p in batch(body.prompt)
+    ]
     plans = [(ids, max_tokens(ctx.engine, len(ids), body.max_tokens, "prompt")) for ids in prompts]
     return await complete(ctx, plans, body, chat=False)
 

@@ -26,12 +26,14 @@ def batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]
     return list(prompt)  # type: ignore[arg-type]
 
 
-async def prompt_ids(engine: Engine, prompt: Prompt) -> list[int]:
+async def prompt_ids(
+    engine: Engine, prompt: Prompt, *, add_special_tokens: bool = True
+) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         # Valid Unicode, at most max_prompt_bytes, and tokenized off the loop when big.
-        return await engine.encode_text(prompt)
+        return await engine.encode_text(prompt, add_special_tokens=add_special_tokens)
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
     return prompt  # the engine checks each id against the vocabulary

@@ -86,6 +86,8 @@ class OpenAISampling(BaseModel):
     )
     top_k: int = sampling_field("top_k")
     ignore_eos: bool = SamplingParams.default("ignore_eos")
+    include_stop_str_in_output: bool = SamplingParams.default("include_stop_str_in_output")
+    skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")
     stop_token_ids: list[int] | None = None
     min_tokens: int = sampling_field("min_tokens")
     repetition_penalty: float = sampling_field("repetition_penalty")
@@ -118,6 +120,8 @@ class OpenAISampling(BaseModel):
                 if name in self.model_fields_set
             },
             "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
@@ -160,6 +164,7 @@ class CompletionBody(OpenAISampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = Field(False, description="the prompt's text before the completion's")
+    add_special_tokens: bool = Field(True, description="vLLM's: the BOS a text prompt gets")
     logprobs: int | None = sampling_field(
         "logprobs", description="log-probabilities of the top k per token"
     )

@@ -59,6 +59,8 @@ class Sampling(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = SamplingParams.default("ignore_eos")
+    include_stop_str_in_output: bool = SamplingParams.default("include_stop_str_in_output")
+    skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")
     logprobs: int | None = sampling_field(
         "logprobs", description="each token's log-probability and the top k (raw model logits)"
     )

@@ -91,6 +91,48 @@ async def test_stop_strings_truncate_the_text(engine: Engine):
     assert streamed == result.text  # the held-back stop string never reached the stream
 
 
+async def test_a_stop_kept_in_the_text_on_request(engine: Engine):
+    """vLLM's `include_stop_str_in_output`: the stop string (or stop token) that ended
+    the text stays in it, streamed and whole."""
+    free = await engine.generate("ascii please", max_tokens=40, **GREEDY)
+    text = free.text
+    candidates = [text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].isprintable()]
+    if not candidates:
+        pytest.skip("the random model produced no printable pair to stop on")
+    stop = candidates[0]
+    kept = {"stop": [stop], "include_stop_str_in_output": True}
+    async with engine.request("ascii please", max_tokens=40, **kept, **GREEDY) as request:
+        streamed = "".join([d.text async for d in request])
+    assert request.result.text == streamed == text[: text.index(stop) + len(stop)]
+    stop_at = free.token_ids[5]
+    by_token = await engine.generate(
+        "ascii please",
+        max_tokens=40,
+        stop_token_ids=[stop_at],
+        include_stop_str_in_output=True,
+        **GREEDY,
+    )
+    first = free.token_ids.index(stop_at)
+    assert by_token.text == engine.tokenizer.decode(list(free.token_ids[: first + 1]))
+
+
+async def test_special_tokens_show_their_text_on_request():
+    """vLLM's `skip_special_tokens=False`, on the bundled model's tokenizer: the EOS that
+    ended the text shows as `</s>` (kept with `include_stop_str_in_output`)."""
+    async with open_engine("bundled") as engine:
+        eos = engine.tokenizer.eos_token_ids[0]
+        forced = {"max_tokens": 4, "temperature": 0, "logit_bias": {eos: 100}}
+        hidden = await engine.generate("x", include_stop_str_in_output=True, **forced)
+        shown = await engine.generate(
+            "x", include_stop_str_in_output=True, skip_special_tokens=False, **forced
+        )
+    assert hidden.token_ids == shown.token_ids == (eos,)
+    assert (
+        hidden.text == ""
+        and shown.text == engine.tokenizer.decode([eos], skip_special_tokens=False) != ""
+    )
+
+
 async def test_max_tokens_is_capped_to_the_context():
     async with open_engine(max_model_len=64) as engine:
         result = await engine.generate(list(range(1, 60)), max_tokens=1000, **GREEDY)

@@ -211,3 +211,36 @@ def test_closing_a_batched_stream_cancels_every_prompt(live: Live) -> None:
         wait_clean(live)
     cancelled = [r for r in live.audit().values() if r["cancel_reason"] == "disconnect"]
     assert len(cancelled) == 6
+
+
+def test_vllms_text_options_are_honoured(client: openai.OpenAI) -> None:
+    """`add_special_tokens`, `include_stop_str_in_output` and `skip_special_tokens`
+    reach the engine (their effects are tested there; here, that the routes pass them)."""
+    with_bos = client.completions.create(model=MODEL, prompt="Count me", max_tokens=1)
+    without = client.completions.create(
+        model=MODEL, prompt="Count me", max_tokens=1, extra_body={"add_special_tokens": False}
+    )
+    assert without.usage.prompt_tokens == with_bos.usage.prompt_tokens - 1
+    free = client.completions.create(model=MODEL, prompt="Stop me", max_tokens=30, **GREEDY)
+    stop = next(
+        (free.choices[0].text[i] for i in range(3, 30) if free.choices[0].text[i].isalnum()), None
+    )
+    if stop is None:
+        pytest.skip("the random model produced no letter to stop on")
+    kept = client.completions.create(
+        model=MODEL,
+        prompt="Stop me",
+        max_tokens=30,
+        stop=[stop],
+        temperature=0,
+        extra_body={"include_stop_str_in_output": True, "ignore_eos": True},
+    )
+    cut = free.choices[0].text
+    assert kept.choices[0].text == cut[: cut.index(stop) + 1]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        extra_body={"skip_special_tokens": False},
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
