@@ -192,6 +192,9 @@ class SamplingParams:
     temperature: float = _bounded(1.0, Bound(0.0, 100.0))
     top_p: float = _bounded(1.0, Bound(0.0, 1.0, lo_open=True))
     top_k: int = _bounded(0, Bound(0, INT32, integer=True))  # 0: off
+    #: vLLM's: drop the tokens less likely than `min_p` times the most likely one
+    #: (after temperature, before top-k and top-p); 0: off.
+    min_p: float = _bounded(0.0, Bound(0.0, 1.0))
     # The range torch.Generator.manual_seed accepts.
     seed: int | None = _bounded(None, Bound(SEED_MIN, SEED_MAX, integer=True), optional=True)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_stop_strings)

@@ -3,9 +3,9 @@
 The order is vLLM's: `logit_bias` is added, `min_tokens` bans the stop tokens, the
 repetition, frequency and presence penalties are applied, a grammar's mask (structured
 output) removes what it forbids; then greedy rows are one batched `argmax` and the
-others apply temperature, top-k and top-p and draw (`_inverse_cdf`) with the request's own
-`torch.Generator`, so a seeded request gives the same tokens whatever else shares its
-batch. Each processor works on the whole `[rows, vocab]` tensor at once (index lists
+others apply temperature, min-p, top-k and top-p and draw (`_inverse_cdf`) with the
+request's own `torch.Generator`, so a seeded request gives the same tokens whatever else
+shares its batch. Each processor works on the whole `[rows, vocab]` tensor at once (index lists
 built from the rows that asked for it), and a batch that asks for none of them costs one
 scan of its parameters.
 
@@ -234,6 +234,9 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> l
 
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     row = row.float() / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

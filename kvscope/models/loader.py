@@ -169,7 +169,7 @@ PROGRESS_BYTES = 256 * 2**20
 
 #: The sampling fields a checkpoint's generation_config.json gives defaults for: they
 #: fill in what a request leaves unset, on every route.
-GENERATION_DEFAULTED = ("temperature", "top_p", "top_k")
+GENERATION_DEFAULTED = ("temperature", "top_p", "top_k", "min_p")
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 

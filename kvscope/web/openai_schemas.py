@@ -85,6 +85,7 @@ class OpenAISampling(BaseModel):
         f"-{MAX_LOGIT_BIAS:g} bans the token",
     )
     top_k: int = sampling_field("top_k")
+    min_p: float = sampling_field("min_p", description="vLLM's; 0 is off")
     ignore_eos: bool = SamplingParams.default("ignore_eos")
     include_stop_str_in_output: bool = SamplingParams.default("include_stop_str_in_output")
     skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")

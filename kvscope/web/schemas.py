@@ -55,6 +55,7 @@ class Sampling(Strict):
     temperature: float = sampling_field("temperature", description="0 is greedy")
     top_p: float = sampling_field("top_p")
     top_k: int = sampling_field("top_k", description="0 disables top-k")
+    min_p: float = sampling_field("min_p", description="vLLM's; 0 is off")
     seed: int | None = sampling_field("seed", description="any 64-bit integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

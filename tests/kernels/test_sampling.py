@@ -187,3 +187,28 @@ def test_a_seeded_draw_repeats_and_top_k_keeps_only_the_k_most_likely() -> None:
     first = run(11)
     assert first == run(11)
     assert set(first) == top3  # all three drawn, nothing else
+
+
+def test_min_p_drops_what_is_less_likely_than_its_share_of_the_best() -> None:
+    """softmax([log .5, log .3, log .15, log .05]) with min_p 0.25: the bar is 0.125,
+    so the last token is never drawn and the others keep their renormalized shares;
+    at temperature 2 the bar applies to the flattened probabilities (vLLM's order)."""
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits = torch.tensor([[math.log(p) for p in probs]])
+    params = [SamplingParams(temperature=1.0, min_p=0.25, max_tokens=8)]
+    generator = torch.Generator().manual_seed(3)
+    draws = 20_000
+    counts = [0] * len(probs)
+    for _ in range(draws):
+        counts[sample(logits, params, [generator])[0].token] += 1
+    assert counts[3] == 0
+    for p, count in zip(probs[:3], counts[:3], strict=True):
+        share = p / 0.95
+        assert abs(count / draws - share) < 5 * math.sqrt(share * (1 - share) / draws)
+    # Temperature 2 flattens to ~[.38, .30, .21, .12]: 0.12 clears 0.25 * 0.38 = 0.095.
+    hot = [SamplingParams(temperature=2.0, min_p=0.25, max_tokens=8)]
+    tokens = {sample(logits, hot, [generator])[0].token for _ in range(2_000)}
+    assert tokens == {0, 1, 2, 3}
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(min_p=1.5)
+    assert field_of(caught.value) == "min_p"
