@@ -120,18 +120,27 @@ async def stream_chunks(
     jobs: list[Job], body: OpenAISampling, view: Choices, fmt: ChunkFormat
 ) -> AsyncGenerator[bytes, None]:
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
-    `index`), the usage chunk if asked, `[DONE]`."""
+    `index`), the usage chunk if asked, `[DONE]`. With vLLM's `continuous_usage_stats`
+    every chunk carries its choice's usage so far."""
     chat = view.chat
+    streamed = [0] * len(jobs)  # the tokens each choice has streamed so far
+    prompt_lengths = [len(view.prompts[i // body.n]) for i in range(len(jobs))]
+
+    def framed(index: int, chunk: dict[str, Any]) -> bytes:
+        if body.continuous_usage:
+            chunk["usage"] = usage(prompt_lengths[index], streamed[index])
+        return encode(chunk)
+
     # An echo scored with `logprobs` waits for its prompt's log-probabilities, which
     # come with the sample's first token (or its end).
     echo_later = set(range(len(jobs))) if view.scores_echo else set()
     opening = [
-        fmt.chunk(i, "", None, role=True) if chat else fmt.chunk(i, view.prefix(i), None)
+        framed(i, fmt.chunk(i, "", None, role=True) if chat else fmt.chunk(i, view.prefix(i), None))
         for i in range(len(jobs))
         if (chat or view.prefix(i)) and i not in echo_later
     ]
     if opening:
-        yield b"".join(map(encode, opening))
+        yield b"".join(opening)
     completion_tokens, left, last = 0, len(jobs), b""
     offsets = [len(view.prefix(i)) for i in range(len(jobs))]
     async for index, delta in merge_streams(jobs):
@@ -139,23 +148,28 @@ async def stream_chunks(
             echo_later.discard(index)
             scored = jobs[index].result.prompt_logprobs if delta is None else delta.prompt_logprobs
             logprobs = view.prompt_logprobs(index, scored)
-            yield encode(fmt.chunk(index, view.prefix(index), None, logprobs=logprobs))
+            yield framed(index, fmt.chunk(index, view.prefix(index), None, logprobs=logprobs))
         if delta is None:
             result = jobs[index].result
             completion_tokens += result.completion_tokens
+            streamed[index] = result.completion_tokens
             left -= 1
-            finish = encode(fmt.chunk(index, None if chat else "", result.finish_reason))
+            finish = framed(index, fmt.chunk(index, None if chat else "", result.finish_reason))
             if left:
                 yield finish
             else:  # the last one goes out with the usage and [DONE], in one write
                 last = finish
-        elif view.wanted and (delta.text or delta.logprobs):
+            continue
+        streamed[index] += len(delta.token_ids)
+        if view.wanted and (delta.text or delta.logprobs):
             logprobs = view.logprobs(delta.token_ids, delta.logprobs, index, offsets[index])
             offsets[index] += sum(len(view.token_text(t)) for t in delta.token_ids)
-            yield encode(fmt.chunk(index, delta.text, None, logprobs=logprobs))
+            yield framed(index, fmt.chunk(index, delta.text, None, logprobs=logprobs))
+        elif delta.text and body.continuous_usage:
+            yield framed(index, fmt.chunk(index, delta.text, None))
         elif delta.text:
             yield fmt.text_chunk(index, delta.text)
     if body.include_usage:
-        prompt_tokens = sum(jobs[i].result.prompt_tokens for i in range(0, len(jobs), body.n))
-        last += encode(fmt.usage_chunk(prompt_tokens, completion_tokens))
+        prompts = sum(jobs[i].result.prompt_tokens for i in range(0, len(jobs), body.n))
+        last += encode(fmt.usage_chunk(prompts, completion_tokens))
     yield last + DONE

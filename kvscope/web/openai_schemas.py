@@ -31,7 +31,7 @@ MAX_TEMPERATURE = 2.0
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes once at the end
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage
 
 
 class JsonSchemaFormat(BaseModel):
@@ -158,6 +158,10 @@ class OpenAISampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionBody(OpenAISampling):

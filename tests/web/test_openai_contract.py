@@ -244,3 +244,33 @@ def test_vllms_text_options_are_honoured(client: openai.OpenAI) -> None:
         extra_body={"skip_special_tokens": False},
     )
     assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_continuous_usage_comes_with_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk carries its choice's
+    usage so far, which only grows and ends at what the final usage chunk counts."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Count as you go",
+            max_tokens=6,
+            n=2,
+            stream=True,
+            stream_options=options,
+            **GREEDY,
+        )
+    )
+    total = chunks[-1].usage
+    assert not chunks[-1].choices and total.completion_tokens == 12
+    last = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        index = chunk.choices[0].index
+        assert chunk.usage.prompt_tokens == total.prompt_tokens  # one prompt, n = 2
+        assert chunk.usage.completion_tokens >= last[index]
+        last[index] = chunk.usage.completion_tokens
+    assert last == {0: 6, 1: 6}
+    plain = client.completions.create(
+        model=MODEL, prompt="Count as you go", max_tokens=3, stream=True, **GREEDY
+    )
+    assert all(chunk.usage is None for chunk in plain)
