@@ -30,7 +30,7 @@ from .bodies import decode_json, validate
 from .chat import chat_prompt
 from .context import ServerContext, server
 from .errors import ApiError
-from .openai_prompts import batch, max_tokens, prompt_ids
+from .openai_prompts import batch, max_tokens, prompt_ids, truncated
 from .openai_run import complete
 from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
 
@@ -75,7 +75,8 @@ async def completions() -> Any:
         raise ApiError(400, "best_of is not supported (use n)", param="best_of")
     special = body.add_special_tokens
     prompts = [
-        await prompt_ids(ctx.engine, p, add_special_tokens=special) for p in batch(body.prompt)
+        truncated(await prompt_ids(ctx.engine, p, add_special_tokens=special), body)
+        for p in batch(body.prompt)
     ]
     plans = [(ids, max_tokens(ctx.engine, len(ids), body.max_tokens, "prompt")) for ids in prompts]
     return await complete(ctx, plans, body, chat=False)
@@ -98,7 +99,7 @@ async def chat_completions() -> Any:
         raise ApiError(
             400, 'tool calling is not supported (tool_choice "none" only)', param="tool_choice"
         )
-    ids = await chat_prompt(ctx.engine, body.messages, body)
+    ids = truncated(await chat_prompt(ctx.engine, body.messages, body), body)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     plan = (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param))

@@ -1,7 +1,8 @@
 """The prompts of an OpenAI call as token ids, and the context rule for `max_tokens`.
 
 A completions `prompt` is text, token ids, or a batch of either; each becomes a list of
-token ids (text tokenized off the loop when big). `max_tokens` must leave the prompt
+token ids (text tokenized off the loop when big), cut to its last
+`truncate_prompt_tokens` if asked. `max_tokens` must leave the prompt
 and the completion inside the model's context, or the call is a 400 naming both
 numbers (OpenAI's wording); unset, it is what fits (chat) or 16 (completions).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from kvscope import Engine
 
 from .errors import ApiError
+from .openai_schemas import OpenAISampling
 
 Prompt = str | list[int]
 #: The default `max_tokens` of `/v1/completions` (OpenAI's); chat's is what fits.
@@ -37,6 +39,12 @@ async def prompt_ids(
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
     return prompt  # the engine checks each id against the vocabulary
+
+
+def truncated(ids: list[int], body: OpenAISampling) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), or all of it."""
+    keep = body.truncate_prompt_tokens
+    return ids if keep is None else ids[-keep:]
 
 
 def max_tokens(

@@ -92,6 +92,9 @@ class OpenAISampling(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = sampling_field("min_tokens")
     repetition_penalty: float = sampling_field("repetition_penalty")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="vLLM's: keep only the prompt's last k tokens"
+    )
     prompt_logprobs: int | None = sampling_field(
         "prompt_logprobs", description="vLLM's: each prompt token's and the top k; not streamed"
     )

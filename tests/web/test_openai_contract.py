@@ -274,3 +274,29 @@ def test_continuous_usage_comes_with_every_chunk(client: openai.OpenAI) -> None:
         model=MODEL, prompt="Count as you go", max_tokens=3, stream=True, **GREEDY
     )
     assert all(chunk.usage is None for chunk in plain)
+
+
+def test_a_prompt_truncated_to_its_last_tokens(client: openai.OpenAI) -> None:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens, as if sent alone."""
+    ids = [256, *b"a long prompt that gets cut"]
+    cut = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True},
+    )
+    tail = client.completions.create(model=MODEL, prompt=ids[-5:], max_tokens=4, **GREEDY)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == tail.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a chat cut short"}],
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert chat.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
+        )
+    assert caught.value.body["param"] == "truncate_prompt_tokens"
