@@ -90,6 +90,9 @@ class StepControl:
 
 
 _DEFAULT_GAP = EngineConfig().checkpoint_gap  # one place for the default
+#: Prompt rows scored per pass of the output head: their float32 logits (and their
+#: log-softmax) are this many vocabulary-wide rows: 128 MiB for a 128k vocabulary.
+SCORED_ROWS_AT_ONCE = 256
 
 
 class ModelRunner:
@@ -223,7 +226,7 @@ class ModelRunner:
         slicer: LinearSlicer | None,
     ) -> dict[int, tuple[TokenLogprobs, ...]]:
         """The log-probabilities of each scored chunk's `prompt_targets`, from the rows
-        starting at its first row in `hidden` (one output-head pass for them all)."""
+        starting at its first row in `hidden` (the output head over a few hundred at once)."""
         if not scored:
             return {}
         rows: list[int] = []
@@ -234,8 +237,12 @@ class ModelRunner:
             rows.extend(range(first, first + len(chunk.prompt_targets)))
             targets += chunk.prompt_targets
             ks += [chunk.params.prompt_logprobs or 0] * len(chunk.prompt_targets)
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)], pruner, slicer)
-        values = token_logprobs(logits, targets, ks)
+        values: list[TokenLogprobs] = []
+        for at in range(0, len(rows), SCORED_ROWS_AT_ONCE):  # a vocabulary-wide row each
+            piece = slice(at, at + SCORED_ROWS_AT_ONCE)
+            picked = hidden[torch.tensor(rows[piece], device=self.device)]
+            logits = self.model.logits(picked, pruner, slicer)
+            values += token_logprobs(logits, targets[piece], ks[piece])
         out, at = {}, 0
         for index, _ in scored:
             count = len(chunks[index].prompt_targets)
