@@ -44,6 +44,12 @@ def _non_empty_strings(_inst: object, attribute: attrs.Attribute, value: tuple) 
         utf8_size(item, attribute.name)
 
 
+def _non_empty_ids(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if not value:
+        raise ValueError(f"{attribute.name} must hold at least one token id")
+    _non_negative_ints(inst, attribute, value)
+
+
 def _stop_strings(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
     if len(value) > MAX_STOP_STRINGS:
         raise ValueError(f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings")
@@ -225,6 +231,12 @@ class SamplingParams:
     #: End-of-sequence and stop token ids are banned until this many tokens are out.
     min_tokens: int = _bounded(0, Bound(0, INT32, integer=True))
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    #: vLLM's: only these tokens may be drawn (None: any).
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=attrs.converters.optional(_ints),
+        validator=v.optional(_non_empty_ids),
+    )
     # Structured output (vLLM's names; kernels/guided.py): at most one of these.
     #: A JSON schema the output must match (kept as canonical JSON text).
     guided_json: str | None = attrs.field(default=None, converter=_json_text)
@@ -271,7 +283,7 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Anything set that changes the logits before sampling."""
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named here must exist in the model's vocabulary (ValueError if not)."""
@@ -279,6 +291,11 @@ class SamplingParams:
             if token >= vocab_size:
                 raise ValueError(
                     f"logit_bias token id {token} is not below the vocabulary size {vocab_size}"
+                )
+        for token in self.allowed_token_ids or ():
+            if token >= vocab_size:
+                raise ValueError(
+                    f"allowed_token_ids id {token} is not below the vocabulary size {vocab_size}"
                 )
 
     @classmethod

@@ -1,8 +1,8 @@
 """Token sampling from a step's logits, one row per sequence that samples.
 
-The order is vLLM's: `logit_bias` is added, `min_tokens` bans the stop tokens, the
-repetition, frequency and presence penalties are applied, a grammar's mask (structured
-output) removes what it forbids; then greedy rows are one batched `argmax` and the
+The order is vLLM's: `allowed_token_ids` bans every other token, `logit_bias` is
+added, `min_tokens` bans the stop tokens, the repetition, frequency and presence
+penalties are applied, a grammar's mask (structured output) removes what it forbids; then greedy rows are one batched `argmax` and the
 others apply temperature, min-p, top-k and top-p and draw (`_inverse_cdf`) with the
 request's own `torch.Generator`, so a seeded request gives the same tokens whatever else
 shares its batch. Each processor works on the whole `[rows, vocab]` tensor at once (index lists
@@ -131,8 +131,14 @@ def sample(
 def process(
     logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[RowState | None]
 ) -> torch.Tensor:
-    """Apply `logit_bias`, `min_tokens` and the penalties to `logits` in place."""
+    """Apply `allowed_token_ids`, `logit_bias`, `min_tokens` and the penalties to
+    `logits` in place."""
     device = logits.device
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            banned = torch.ones(logits.shape[-1], dtype=torch.bool, device=device)
+            banned[torch.tensor(p.allowed_token_ids, device=device)] = False
+            logits[row].masked_fill_(banned, float("-inf"))
     rows: list[int] = []
     cols: list[int] = []
     values: list[float] = []

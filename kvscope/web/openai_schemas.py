@@ -90,6 +90,7 @@ class OpenAISampling(BaseModel):
     include_stop_str_in_output: bool = SamplingParams.default("include_stop_str_in_output")
     skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these")
     min_tokens: int = sampling_field("min_tokens")
     repetition_penalty: float = sampling_field("repetition_penalty")
     truncate_prompt_tokens: int | None = Field(
@@ -136,6 +137,7 @@ class OpenAISampling(BaseModel):
         optional = {
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
+            "allowed_token_ids": self.allowed_token_ids,
             "seed": self.seed,
             "logit_bias": self.logit_bias,
             "guided_json": self.guided_json,

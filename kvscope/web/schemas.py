@@ -59,6 +59,7 @@ class Sampling(Strict):
     seed: int | None = sampling_field("seed", description="any 64-bit integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these")
     ignore_eos: bool = SamplingParams.default("ignore_eos")
     include_stop_str_in_output: bool = SamplingParams.default("include_stop_str_in_output")
     skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")

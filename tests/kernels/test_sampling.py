@@ -63,6 +63,28 @@ def test_logit_bias_bans_and_forces() -> None:
     assert banned[0].token == 2 and forced[0].token == 3
 
 
+def test_allowed_token_ids_keep_only_theirs() -> None:
+    """Greedy picks the best allowed token; a draw never leaves the allowed set; their
+    log-probabilities stay the model's raw ones; an empty set or a negative id is
+    refused by name."""
+    logits = torch.tensor([[1.0, 4.0, 3.0, 0.0]])
+    greedy = sample(
+        logits, [SamplingParams(**GREEDY, allowed_token_ids=[0, 2], logprobs=0)], [None]
+    )
+    assert greedy[0].token == 2
+    raw = torch.log_softmax(logits[0], dim=-1)[2].item()
+    assert greedy[0].logprobs is not None and greedy[0].logprobs.logprob == pytest.approx(raw)
+    hot = [SamplingParams(temperature=5.0, max_tokens=8, allowed_token_ids=[0, 3])]
+    generator = torch.Generator().manual_seed(2)
+    assert {sample(logits, hot, [generator])[0].token for _ in range(400)} == {0, 3}
+    for bad in ([], [-1]):
+        with pytest.raises(ValueError) as caught:
+            SamplingParams(allowed_token_ids=bad)
+        assert field_of(caught.value) == "allowed_token_ids"
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[4]).check_vocab(4)
+
+
 def test_min_tokens_bans_the_stop_tokens_until_reached() -> None:
     logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
     params = SamplingParams(**GREEDY, min_tokens=2)

@@ -300,3 +300,24 @@ def test_a_prompt_truncated_to_its_last_tokens(client: openai.OpenAI) -> None:
             model=MODEL, prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
         )
     assert caught.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_allowed_token_ids_bound_the_output(live: Live, client: openai.OpenAI) -> None:
+    allowed = [ord(c) for c in "ab"]
+    out = client.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=8,
+        temperature=1.0,
+        seed=4,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
+    assert len(out.choices[0].text) == 8 and set(out.choices[0].text) <= {"a", "b"}
+    body = refused(
+        lambda: client.completions.create(
+            model=MODEL, prompt="x", max_tokens=1, extra_body={"allowed_token_ids": [10**6]}
+        ),
+        "allowed_token_ids",
+    )
+    assert "vocabulary" in body["message"]
+    wait_clean(live)
