@@ -5,11 +5,13 @@ transformers would); one without (such as `tiny-random`) gets a plain fallback:
 `role: content` lines, then `assistant:`. Content given as a list of parts keeps its
 text parts. vLLM's options (`ChatTemplateOptions`) apply to both: no generation prompt,
 a prompt that ends inside the final assistant message (as transformers'
-`continue_final_message` cuts it), and more template variables.
+`continue_final_message` cuts it), and more template variables. Tools (`tools.py`) go
+to the template as `tools`; the fallback shows them as a first `tools:` line.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvscope import Engine, InvalidRequest
@@ -36,12 +38,16 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 async def chat_prompt(
-    engine: Engine, messages: list[ChatMessage], options: ChatTemplateOptions
+    engine: Engine,
+    messages: list[ChatMessage],
+    options: ChatTemplateOptions,
+    *,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt token ids of `messages`. Their size is checked before rendering (no
     rendered chat is smaller than its contents), and a big chat is rendered and
     tokenized off the event loop."""
-    plain = [{**m.model_dump(exclude_none=True), "content": _text(m.content)} for m in messages]
+    plain = [_plain(m) for m in messages]
     size = sum(len(m["content"]) for m in plain)  # characters: at most its UTF-8 bytes
     if size > engine.max_prompt_bytes:
         raise InvalidRequest(
@@ -54,16 +60,42 @@ async def chat_prompt(
     if engine.loaded.chat_template is not None:
         text = await engine.run_off_loop(
             size,
-            lambda: engine.loaded.render_chat(plain, add_generation_prompt=opens_turn, **variables),
+            lambda: engine.loaded.render_chat(
+                plain, add_generation_prompt=opens_turn, tools=tools, **variables
+            ),
         )
     else:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain)
+        text = f"tools: {json.dumps(tools)}\n" if tools else ""
+        text += "".join(f"{m['role']}: {m['content']}\n" for m in plain)
         text += "assistant:" if opens_turn else ""
     if options.continue_final_message:
         text = _cut_after_final(text, plain[-1]["content"])
     # A rendered chat holds its special tokens itself.
     special = engine.loaded.chat_template is None
     return await engine.encode_text(text, add_special_tokens=special, what="the messages")
+
+
+def _plain(message: ChatMessage) -> dict[str, Any]:
+    """A message as the template reads it: its text, and the arguments of the tool
+    calls an assistant message made as objects (templates format them; the API sends
+    them as JSON text), as vLLM passes them."""
+    plain = {**message.model_dump(exclude_none=True), "content": _text(message.content)}
+    calls = plain.get("tool_calls")
+    if isinstance(calls, list):
+        plain["tool_calls"] = [_parsed_arguments(call) for call in calls]
+    return plain
+
+
+def _parsed_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call  # the template gets the text as it came
+    return {**call, "function": {**function, "arguments": parsed}}  # type: ignore[dict-item]
 
 
 def _checked(options: ChatTemplateOptions, plain: list[dict[str, Any]]) -> dict[str, Any]:

@@ -12,9 +12,9 @@ prompt's sample 0: `DELETE /requests/{id}` cancels that family.
 What a body asks is honoured or refused with a 400 naming the field (`param`), never
 ignored: unknown fields, a model this server does not run (404), `max_tokens` beyond
 the context, a non-JSON `Content-Type`, `stream_options` without `stream`,
-`prompt_logprobs` with `stream` (as vLLM), `best_of`, tools. `echo` with `logprobs`
-scores the prompt too (its log-probabilities come first, the first token's null, as
-vLLM's do). Errors are in OpenAI's shape (see `errors`).
+`prompt_logprobs` with `stream` (as vLLM), `best_of`, `tools` with a stream's
+`logprobs`. `echo` with `logprobs` scores the prompt too (its log-probabilities come
+first, the first token's null, as vLLM's do). Tool calls are `tools.py`'s. Errors are in OpenAI's shape (see `errors`).
 """
 
 from __future__ import annotations
@@ -87,23 +87,31 @@ async def completions() -> Any:
 async def chat_completions() -> Any:
     """OpenAI chat completions; the prompt is the model's chat template over `messages`.
     Honours `n`, `stream`, `logprobs` / `top_logprobs`, the penalties, `logit_bias`,
-    `seed`, `stop` and `response_format` (`json_object`, `json_schema`: constrained
-    decoding); refuses `tools` and any `tool_choice` but `none`."""
+    `seed`, `stop`, `response_format` (`json_object`, `json_schema`: constrained
+    decoding) and `tools` with `tool_choice` (`tools.py`)."""
     ctx = server()
     body = await _read(ChatBody)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if body.tools:
-        raise ApiError(400, "tool calling is not supported", param="tools")
-    if body.tool_choice not in (None, "none"):
+    tools = body.tool_plan  # a 400 where tools and tool_choice disagree
+    guided = body.response_format is not None or body.guided_json is not None
+    guided = guided or body.guided_regex is not None or body.guided_choice is not None
+    if tools.guide() is not None and guided:
         raise ApiError(
-            400, 'tool calling is not supported (tool_choice "none" only)', param="tool_choice"
+            400,
+            "a required or named tool_choice constrains the output itself: give no "
+            "response_format or guided_* with it",
+            param="tool_choice",
         )
-    ids = truncated(await chat_prompt(ctx.engine, body.messages, body), body)
+    if tools.calls_tools and body.stream and body.logprobs:
+        # A streamed choice that may call a tool is sent whole at its end.
+        raise ApiError(400, "logprobs with tools is not streamed", param="logprobs")
+    prompt = await chat_prompt(ctx.engine, body.messages, body, tools=tools.template_tools())
+    ids = truncated(prompt, body)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     plan = (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param))
-    return await complete(ctx, [plan], body, chat=True)
+    return await complete(ctx, [plan], body, chat=True, tools=tools)
 
 
 # -- reading and checking a body ---------------------------------------------------------

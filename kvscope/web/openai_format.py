@@ -184,6 +184,7 @@ class ChunkFormat:
         *,
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": index,
@@ -192,8 +193,10 @@ class ChunkFormat:
         }
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
+            if text is not None or tool_calls:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -29,6 +29,7 @@ from .errors import ApiError
 from .openai_format import Choices, ChunkFormat, usage
 from .openai_schemas import OpenAISampling
 from .sse import DONE, StreamBody, encode, sse_response
+from .tools import ToolPlan
 
 Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
 
@@ -47,6 +48,8 @@ async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) 
         param = field_of(exc)
         if param == "guided_json" and body.response_format is not None:
             param = "response_format"  # what the client sent
+        elif param == "guided_json" and body.guided_json is None:
+            param = "tools"  # the schema of a required or named tool call
         raise ApiError(400, str(exc), param=param) from None
     return kwargs
 
@@ -77,13 +80,14 @@ async def complete(
     body: OpenAISampling,
     *,
     chat: bool,
+    tools: ToolPlan | None = None,
 ) -> Any:
     """Run the call and answer it: an SSE stream with `stream`, else the whole response."""
     jobs = await start(ctx, plans, body)
     view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
     fmt = ChunkFormat(jobs[0].id, int(time.time()), ctx.engine.model_name, chat=chat)
     if body.stream:
-        chunks = stream_chunks(jobs, body, view, fmt)
+        chunks = stream_chunks(jobs, body, view, fmt, tools)
         ids = [job.id for job in reversed(jobs)]
         return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
     try:
@@ -95,7 +99,10 @@ async def complete(
     for index, result in enumerate(results):
         choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}
         text = view.prefix(index) + result.text
-        if chat:
+        if tools is not None and tools.calls_tools:
+            content, calls, choice["finish_reason"] = tools.answer(text, result.finish_reason)
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -117,12 +124,18 @@ async def complete(
 
 
 async def stream_chunks(
-    jobs: list[Job], body: OpenAISampling, view: Choices, fmt: ChunkFormat
+    jobs: list[Job],
+    body: OpenAISampling,
+    view: Choices,
+    fmt: ChunkFormat,
+    tools: ToolPlan | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
     `index`), the usage chunk if asked, `[DONE]`. With vLLM's `continuous_usage_stats`
-    every chunk carries its choice's usage so far."""
+    every chunk carries its choice's usage so far. A choice that may call a tool is
+    sent whole at its end: content and calls in one delta, then its finish."""
     chat = view.chat
+    whole = tools if tools is not None and tools.calls_tools else None
     streamed = [0] * len(jobs)  # the tokens each choice has streamed so far
     prompt_lengths = [len(view.prompts[i // body.n]) for i in range(len(jobs))]
 
@@ -154,13 +167,19 @@ async def stream_chunks(
             completion_tokens += result.completion_tokens
             streamed[index] = result.completion_tokens
             left -= 1
-            finish = framed(index, fmt.chunk(index, None if chat else "", result.finish_reason))
+            reason = result.finish_reason
+            if whole:
+                content, calls, reason = whole.answer(result.text, reason)
+                yield framed(index, fmt.chunk(index, content, None, tool_calls=calls))
+            finish = framed(index, fmt.chunk(index, None if chat else "", reason))
             if left:
                 yield finish
             else:  # the last one goes out with the usage and [DONE], in one write
                 last = finish
             continue
         streamed[index] += len(delta.token_ids)
+        if whole:
+            continue  # sent at its end
         if view.wanted and (delta.text or delta.logprobs):
             logprobs = view.logprobs(delta.token_ids, delta.logprobs, index, offsets[index])
             offsets[index] += sum(len(view.token_text(t)) for t in delta.token_ids)

@@ -2,18 +2,19 @@
 
 Refused, never ignored: a field that is not declared here is a 400 naming it (a field
 that changes the output and is silently dropped is a wrong answer that looks right).
-Fields with no effect on the output (`user`, `metadata`, `store`, `service_tier`,
-`parallel_tool_calls`) are declared and ignored. Declared fields kvscope cannot honour
-in every value (`best_of`, `tools`, `tool_choice`, `response_format`) are checked by
-the route, which names them in its 400. `top_k`, `ignore_eos`, `stop_token_ids`,
-`min_tokens`, `repetition_penalty` and `priority` are the usual vLLM extensions. Numeric ranges are built from the `Bound`s of
-`kvscope.params` (`sampling_field`), never restated; the only limits of this module's
-own are OpenAI's: `temperature` up to 2 (a narrowing of `SamplingParams`' range) and
-`n` (and `best_of`) up to `MAX_N`.
+Fields with no effect on the output (`user`, `metadata`, `store`, `service_tier`) are
+declared and ignored. Declared fields kvscope cannot honour in every value (`best_of`,
+`tool_choice`, `response_format`) are checked by the route, which names them in its
+400. `top_k`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `repetition_penalty`,
+`priority` and the others the README lists are vLLM's extensions. Numeric ranges are
+built from the `Bound`s of `kvscope.params` (`sampling_field`), never restated; the
+only limits of this module's own are OpenAI's: `temperature` up to 2 (a narrowing of
+`SamplingParams`' range) and `n` (and `best_of`) up to `MAX_N`.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +23,7 @@ from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
 from .schemas import bounded_field, sampling_field
+from .tools import ToolChoice, ToolDef, ToolPlan
 
 #: OpenAI's limits, narrower than what `SamplingParams` allows.
 MAX_N = 16
@@ -60,10 +62,9 @@ class ResponseFormat(BaseModel):
 
 class OpenAISampling(BaseModel):
     """Fields both routes take. Any other field is refused with a 400 naming it (for
-    example `suffix`, `functions`, `modalities`, `use_beam_search`); `best_of` above 1,
-    `tools` and `tool_choice` other than `none` are refused too.
-    `user`, `metadata`, `store` and `service_tier` have no effect on the output and are
-    accepted. Log-probabilities are the model's raw ones (before penalties, bias,
+    example `suffix`, `functions`, `modalities`, `use_beam_search`); `best_of` above 1
+    is refused too. `user`, `metadata`, `store` and `service_tier` have no effect on the
+    output and are accepted. Log-probabilities are the model's raw ones (before penalties, bias,
     grammar, temperature, top-k and top-p), as vLLM's default."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
@@ -218,10 +219,22 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
     max_completion_tokens: int | None = sampling_field("max_tokens", None)
     logprobs: bool = False
     top_logprobs: int | None = sampling_field("logprobs", description="needs logprobs")
-    tools: list[dict[str, Any]] | None = Field(None, description="refused unless empty")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="auto by default with tools")
+    parallel_tool_calls: bool | None = Field(None, description="false: one call at most")
 
     @property
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @cached_property
+    def tool_plan(self) -> ToolPlan:
+        """What `tools` and `tool_choice` ask (a 400 naming the field if they disagree)."""
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        params = super().sampling(max_tokens)
+        guide = self.tool_plan.guide()
+        if guide is not None:  # a required or named tool call: its arguments' schema
+            params["guided_json"] = guide
+        return params

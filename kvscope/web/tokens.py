@@ -25,6 +25,7 @@ from .errors import ApiError
 from .openai import check_model
 from .openai_schemas import ChatMessage, ChatTemplateOptions
 from .schemas import Strict
+from .tools import ToolDef
 
 blueprint = Blueprint("tokens", __name__)
 
@@ -37,6 +38,7 @@ class TokenizeBody(ChatTemplateOptions, Strict):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = Field(True, description="with `prompt`: the BOS the model adds")
     return_token_strs: bool = Field(False, description="each token's text as well")
+    tools: list[ToolDef] | None = Field(None, description="with `messages`: for the template")
 
 
 class DetokenizeBody(Strict):
@@ -54,7 +56,8 @@ async def tokenize() -> Any:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give one of prompt or messages", param="prompt")
     if body.messages is not None:
-        ids = await chat_prompt(engine, body.messages, body)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        ids = await chat_prompt(engine, body.messages, body, tools=tools or None)
     else:
         assert body.prompt is not None
         ids = await engine.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
