@@ -76,13 +76,18 @@ async def test_stop_token_ids_and_eos(engine: Engine):
     assert stopped.token_ids == free.token_ids[: first + 1]
 
 
-async def test_stop_strings_truncate_the_text(engine: Engine):
-    free = await engine.generate("ascii please", max_tokens=40, **GREEDY)
-    text = free.text
+def printable_pair(text: str) -> str:
+    """Two printable characters from inside `text`, to stop on."""
     candidates = [text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].isprintable()]
     if not candidates:
         pytest.skip("the random model produced no printable pair to stop on")
-    stop = candidates[0]
+    return candidates[0]
+
+
+async def test_stop_strings_truncate_the_text(engine: Engine):
+    free = await engine.generate("ascii please", max_tokens=40, **GREEDY)
+    text = free.text
+    stop = printable_pair(text)
     async with engine.request("ascii please", max_tokens=40, stop=[stop], **GREEDY) as request:
         streamed = "".join([d.text async for d in request])
     result = request.result
@@ -96,10 +101,7 @@ async def test_a_stop_kept_in_the_text_on_request(engine: Engine):
     the text stays in it, streamed and whole."""
     free = await engine.generate("ascii please", max_tokens=40, **GREEDY)
     text = free.text
-    candidates = [text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].isprintable()]
-    if not candidates:
-        pytest.skip("the random model produced no printable pair to stop on")
-    stop = candidates[0]
+    stop = printable_pair(text)
     kept = {"stop": [stop], "include_stop_str_in_output": True}
     async with engine.request("ascii please", max_tokens=40, **kept, **GREEDY) as request:
         streamed = "".join([d.text async for d in request])

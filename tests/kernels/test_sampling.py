@@ -14,6 +14,19 @@ from kvscope.params import SamplingParams, field_of
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 
 
+#: Seeded draws per distribution test: five standard deviations of a share are ~1.8 %.
+DRAWS = 20_000
+
+
+def draw_counts(logits: torch.Tensor, params: SamplingParams, *, seed: int) -> list[int]:
+    """How often each token of `logits`' one row is drawn in `DRAWS` seeded draws."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = [0] * logits.shape[-1]
+    for _ in range(DRAWS):
+        counts[sample(logits, [params], [generator])[0].token] += 1
+    return counts
+
+
 def row_state(tokens: list[int], num_prompt: int, stop_ids: tuple[int, ...] = (9,)) -> RowState:
     return RowState(list(tokens), num_prompt, frozenset(stop_ids))
 
@@ -186,15 +199,10 @@ def test_temperature_draws_follow_the_softmax_and_never_pick_a_banned_token() ->
     five standard deviations of each probability, and the banned token never comes."""
     probs = [0.5, 0.3, 0.2, 0.0]
     logits = torch.tensor([[math.log(p) if p else float("-inf") for p in probs]])
-    params = [SamplingParams(temperature=1.0, max_tokens=8)]
-    generator = torch.Generator().manual_seed(7)
-    draws = 20_000
-    counts = [0] * len(probs)
-    for _ in range(draws):
-        counts[sample(logits, params, [generator])[0].token] += 1
+    counts = draw_counts(logits, SamplingParams(temperature=1.0, max_tokens=8), seed=7)
     assert counts[3] == 0
     for p, count in zip(probs[:3], counts[:3], strict=True):
-        assert abs(count / draws - p) < 5 * math.sqrt(p * (1 - p) / draws)
+        assert abs(count / DRAWS - p) < 5 * math.sqrt(p * (1 - p) / DRAWS)
 
 
 def test_a_seeded_draw_repeats_and_top_k_keeps_only_the_k_most_likely() -> None:
@@ -217,16 +225,12 @@ def test_min_p_drops_what_is_less_likely_than_its_share_of_the_best() -> None:
     at temperature 2 the bar applies to the flattened probabilities (vLLM's order)."""
     probs = [0.5, 0.3, 0.15, 0.05]
     logits = torch.tensor([[math.log(p) for p in probs]])
-    params = [SamplingParams(temperature=1.0, min_p=0.25, max_tokens=8)]
     generator = torch.Generator().manual_seed(3)
-    draws = 20_000
-    counts = [0] * len(probs)
-    for _ in range(draws):
-        counts[sample(logits, params, [generator])[0].token] += 1
+    counts = draw_counts(logits, SamplingParams(temperature=1.0, min_p=0.25, max_tokens=8), seed=3)
     assert counts[3] == 0
     for p, count in zip(probs[:3], counts[:3], strict=True):
         share = p / 0.95
-        assert abs(count / draws - share) < 5 * math.sqrt(share * (1 - share) / draws)
+        assert abs(count / DRAWS - share) < 5 * math.sqrt(share * (1 - share) / DRAWS)
     # Temperature 2 flattens to ~[.38, .30, .21, .12]: 0.12 clears 0.25 * 0.38 = 0.095.
     hot = [SamplingParams(temperature=2.0, min_p=0.25, max_tokens=8)]
     tokens = {sample(logits, hot, [generator])[0].token for _ in range(2_000)}

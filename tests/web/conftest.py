@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import httpx
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kvscope.models.loader import BUNDLED_DIR
 from kvscope.web.server import Server
 from kvscope.web.settings import ServerSettings
 from tests.conftest import assert_clean
@@ -182,6 +184,17 @@ def sse_events(lines: Iterator[str]) -> Iterator[Any]:
         if line.startswith("data: "):
             data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
+
+
+def bundled_with_template(directory: Path, template: str) -> Path:
+    """A copy of the bundled model under `directory` whose chat template is `template`
+    (its name, and so the OpenAI routes' model id, is `model`)."""
+    model = directory / "model"
+    shutil.copytree(BUNDLED_DIR, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": template}))
+    return model
 
 
 def wait_clean(live: Live) -> dict[str, Any]:

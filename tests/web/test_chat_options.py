@@ -6,16 +6,12 @@ reads an `enable_thinking` variable, as Qwen3's does."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvscope.models.loader import BUNDLED_DIR
-
-from .conftest import Live, running_server
+from .conftest import Live, bundled_with_template, running_server
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -27,12 +23,7 @@ USER = [{"role": "user", "content": "What is two and two?"}]
 
 @pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(BUNDLED_DIR, directory)
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return directory
+    return bundled_with_template(tmp_path_factory.mktemp("thinking"), TEMPLATE)
 
 
 @pytest.fixture

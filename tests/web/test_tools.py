@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvscope.models.loader import BUNDLED_DIR
-
-from .conftest import Live, running_server, wait_clean
+from .conftest import Live, bundled_with_template, running_server, wait_clean
 
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}system: tools {{ tools | tojson }}{{ '\\n' }}{% endif %}"
@@ -50,12 +47,7 @@ FORCED_CALL = 'Sure.<tool_call>{"name": "weather", "arguments": {"city": "Rome"}
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(BUNDLED_DIR, directory)
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return directory
+    return bundled_with_template(tmp_path_factory.mktemp("tools"), TEMPLATE)
 
 
 @pytest.fixture
