@@ -30,6 +30,8 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    #: 1 + how many tokens are more likely than the chosen one (vLLM's `rank`).
+    rank: int | None = None
 
 
 @attrs.frozen
@@ -226,13 +228,17 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> l
     device = logits.device
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target_ids = torch.tensor(targets, device=device).unsqueeze(1)
-    chosen = logprobs.gather(1, target_ids).squeeze(1).tolist()
+    chosen_values = logprobs.gather(1, target_ids)
+    chosen = chosen_values.squeeze(1).tolist()
+    ranks = ((logprobs > chosen_values).sum(dim=-1) + 1).tolist()
     k = max(ks, default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
     return [
         TokenLogprobs(
-            chosen[j], tuple(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True))
+            chosen[j],
+            tuple(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True)),
+            ranks[j],
         )
         for j, n in enumerate(ks)
     ]

@@ -64,8 +64,7 @@ class Choices:
     ) -> list[dict[str, Any] | None] | None:
         """vLLM's `prompt_logprobs` of choice `index`: per prompt token, None for the
         first, else `{token id: {logprob, rank, decoded_token}}` for the token itself
-        and the top k (rank 1 the most likely; the token's own rank is null when it is
-        not among them)."""
+        and the top k (rank 1 the most likely)."""
         if logprobs is None:
             return None
         ids = self.prompts[index // self.n]
@@ -80,7 +79,7 @@ class Choices:
             }
             entry.setdefault(
                 str(token),
-                {"logprob": lp.logprob, "rank": None, "decoded_token": self.token_text(token)},
+                {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_text(token)},
             )
             out.append(entry)
         return out

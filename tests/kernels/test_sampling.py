@@ -64,8 +64,9 @@ def test_logprobs_are_the_raw_log_softmax_and_its_top_k() -> None:
     assert first is not None and math.isclose(first.logprob, float(expected[0, 2]), rel_tol=1e-6)
     assert [t for t, _ in first.top] == [1, 3]
     assert [lp for _, lp in first.top] == pytest.approx(expected[0, [1, 3]].tolist())
+    assert first.rank == 4  # token 2 is the least likely of the four: three above it
     second = out[1].logprobs
-    assert second is not None and second.top == ()
+    assert second is not None and second.top == () and second.rank == 1
     assert math.isclose(second.logprob, float(expected[1, 3]), rel_tol=1e-6)
 
 

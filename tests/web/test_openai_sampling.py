@@ -158,6 +158,8 @@ def test_echo_with_logprobs_scores_the_prompt_by_hand(
         assert scores[i][str(PROMPT[i])]["logprob"] == pytest.approx(expected[i - 1], abs=1e-4)
         best = int(by_hand[i - 1].argmax())
         assert scores[i][str(best)]["rank"] == 1
+        above = int((by_hand[i - 1] > by_hand[i - 1, PROMPT[i]]).sum())
+        assert scores[i][str(PROMPT[i])]["rank"] == above + 1
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(
         model=call["model"], messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
