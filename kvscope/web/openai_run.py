@@ -132,8 +132,9 @@ async def stream_chunks(
 ) -> AsyncGenerator[bytes, None]:
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
     `index`), the usage chunk if asked, `[DONE]`. With vLLM's `continuous_usage_stats`
-    every chunk carries its choice's usage so far. A choice that may call a tool is
-    sent whole at its end: content and calls in one delta, then its finish."""
+    every chunk carries its choice's usage so far. A named function's arguments go out
+    as they come; another choice that may call a tool is sent whole at its end:
+    content and calls in one delta, then its finish."""
     chat = view.chat
     whole = tools if tools is not None and tools.calls_tools else None
     streamed = [0] * len(jobs)  # the tokens each choice has streamed so far
@@ -168,7 +169,11 @@ async def stream_chunks(
             streamed[index] = result.completion_tokens
             left -= 1
             reason = result.finish_reason
-            if whole:
+            if whole and whole.streams_arguments:
+                if not streamed[index]:  # no token came: the call is named all the same
+                    calls = whole.argument_deltas("", first=True)
+                    yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
+            elif whole:
                 content, calls, reason = whole.answer(result.text, reason)
                 yield framed(index, fmt.chunk(index, content, None, tool_calls=calls))
             finish = framed(index, fmt.chunk(index, None if chat else "", reason))
@@ -177,9 +182,13 @@ async def stream_chunks(
             else:  # the last one goes out with the usage and [DONE], in one write
                 last = finish
             continue
+        first = not streamed[index]
         streamed[index] += len(delta.token_ids)
+        if whole and whole.streams_arguments and (delta.text or first):
+            calls = whole.argument_deltas(delta.text, first)
+            yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
         if whole:
-            continue  # sent at its end
+            continue  # sent as arguments, or whole at its end
         if view.wanted and (delta.text or delta.logprobs):
             logprobs = view.logprobs(delta.token_ids, delta.logprobs, index, offsets[index])
             offsets[index] += sum(len(view.token_text(t)) for t in delta.token_ids)

@@ -14,9 +14,10 @@ The tools reach the chat template as `tools` (as transformers passes them) unles
 * a named function: the output is constrained to that function's `parameters` schema
   and is its arguments; `finish_reason` stays `stop`, as OpenAI's.
 
-`parallel_tool_calls: false` keeps one call. A streamed choice that may call a tool
-sends its content and calls in one delta at its end: until then the text may turn out
-to be a call.
+`parallel_tool_calls: false` keeps one call. Streamed, a named function's arguments
+go out as they come (`stream_deltas`, OpenAI's and vLLM's way); a choice under `auto`
+or `required` sends its content and calls in one delta at its end, since until then
+its text may turn out to be a call.
 """
 
 from __future__ import annotations
@@ -96,6 +97,19 @@ class ToolPlan:
     @property
     def calls_tools(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def streams_arguments(self) -> bool:
+        """A stream can send the output as it comes: a named function's arguments."""
+        return self.mode == "function"
+
+    def argument_deltas(self, text: str, first: bool) -> list[dict[str, Any]]:
+        """A stream's `tool_calls` delta for more of a named function's arguments: the
+        first names the call, the rest add to its arguments."""
+        assert self.name is not None
+        if first:
+            return [_call(self.name, text)]
+        return [{"function": {"arguments": text}}]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template reads them (none with `tool_choice: none`)."""

@@ -3,7 +3,8 @@ chat template shows the tools and renders an assistant's calls in the Hermes for
 the tools reach the template (not with `tool_choice: none`), a named choice calls its
 function with arguments that match its schema, `required` gives one call or more, `auto`
 finds `<tool_call>` blocks (forced here with a regex, since the model is random), all
-of it streamed too; what cannot hold is a 400 naming the field."""
+of it streamed too (a named function's arguments as they come); what cannot hold is a
+400 naming the field."""
 
 from __future__ import annotations
 
@@ -126,9 +127,12 @@ def test_a_named_choice_calls_its_function(served: tuple[Live, openai.OpenAI]) -
         stream=True,
     )
     chunks = [c for c in stream if c.choices]
-    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), CITY)
+    parts = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    # Streamed as they come: the first part names the call, the others add arguments.
+    assert len(parts) > 2 and all(part.index == 0 for part in parts)
+    assert parts[0].id and parts[0].function.name == "weather"
+    assert all(part.id is None and part.function.name is None for part in parts[1:])
+    jsonschema.validate(json.loads("".join(p.function.arguments for p in parts)), CITY)
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_clean(live)
 
