@@ -29,7 +29,7 @@ from .errors import ApiError
 from .openai_format import Choices, ChunkFormat, usage
 from .openai_schemas import OpenAISampling
 from .sse import DONE, StreamBody, encode, sse_response
-from .tools import ToolPlan
+from .tools import HeldContent, ToolPlan
 
 Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
 
@@ -133,10 +133,12 @@ async def stream_chunks(
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
     `index`), the usage chunk if asked, `[DONE]`. With vLLM's `continuous_usage_stats`
     every chunk carries its choice's usage so far. A named function's arguments go out
-    as they come; another choice that may call a tool is sent whole at its end:
-    content and calls in one delta, then its finish."""
+    as they come; under `auto` the content does up to a `<tool_call>`, and the calls
+    (with any content left) in one delta at the end; under `required`, all at the end."""
     chat = view.chat
     whole = tools if tools is not None and tools.calls_tools else None
+    auto = whole is not None and whole.mode == "auto"
+    held = {i: HeldContent() for i in range(len(jobs))} if auto else {}
     streamed = [0] * len(jobs)  # the tokens each choice has streamed so far
     prompt_lengths = [len(view.prompts[i // body.n]) for i in range(len(jobs))]
 
@@ -175,7 +177,10 @@ async def stream_chunks(
                     yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
             elif whole:
                 content, calls, reason = whole.answer(result.text, reason)
-                yield framed(index, fmt.chunk(index, content, None, tool_calls=calls))
+                if index in held:  # `auto`: what was not sent yet of the content
+                    content = held[index].rest(result.text) or None
+                if content or calls:
+                    yield framed(index, fmt.chunk(index, content, None, tool_calls=calls))
             finish = framed(index, fmt.chunk(index, None if chat else "", reason))
             if left:
                 yield finish
@@ -187,8 +192,10 @@ async def stream_chunks(
         if whole and whole.streams_arguments and (delta.text or first):
             calls = whole.argument_deltas(delta.text, first)
             yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
+        elif index in held and (piece := held[index].feed(delta.text)):
+            yield framed(index, fmt.chunk(index, piece, None))
         if whole:
-            continue  # sent as arguments, or whole at its end
+            continue  # sent as arguments or content up to a call, the rest at its end
         if view.wanted and (delta.text or delta.logprobs):
             logprobs = view.logprobs(delta.token_ids, delta.logprobs, index, offsets[index])
             offsets[index] += sum(len(view.token_text(t)) for t in delta.token_ids)

@@ -15,9 +15,9 @@ The tools reach the chat template as `tools` (as transformers passes them) unles
   and is its arguments; `finish_reason` stays `stop`, as OpenAI's.
 
 `parallel_tool_calls: false` keeps one call. Streamed, a named function's arguments
-go out as they come (`stream_deltas`, OpenAI's and vLLM's way); a choice under `auto`
-or `required` sends its content and calls in one delta at its end, since until then
-its text may turn out to be a call.
+go out as they come (`argument_deltas`, OpenAI's and vLLM's way); under `auto` the
+content goes out as it comes up to a `<tool_call>` tag (`HeldContent`), and the calls
+(and any content left) in one delta at the end; under `required`, all at the end.
 """
 
 from __future__ import annotations
@@ -187,6 +187,15 @@ def _required_calls(text: str) -> list[dict[str, Any]] | None:
 def _hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """The calls of the well-formed `<tool_call>` blocks in `text`, and the content
     before the first block (None if only whitespace)."""
+    first, calls = _hermes_blocks(text)
+    if not calls:
+        return text, []
+    return text[:first].strip() or None, calls
+
+
+def _hermes_blocks(text: str) -> tuple[int, list[dict[str, Any]]]:
+    """Where the first well-formed `<tool_call>` block starts (the text's end if
+    none), and the calls of all of them."""
     calls = []
     first = None
     for match in CALL_BLOCK.finditer(text):
@@ -201,7 +210,44 @@ def _hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             arguments = json.dumps(arguments, ensure_ascii=False)
         calls.append(_call(call["name"], arguments))
         first = match.start() if first is None else first
-    if not calls:
-        return text, []
-    content = text[:first].strip()
-    return content or None, calls
+    return (len(text) if first is None else first), calls
+
+
+TAG = "<tool_call>"
+
+
+class HeldContent:
+    """(a streamed choice under `auto`) The content it can send as it comes: its text
+    up to a `<tool_call>` tag, holding back an end that could be the start of one."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # characters of `text` sent
+        self.held = False  # a tag came: the rest waits for the end
+
+    def feed(self, text: str) -> str:
+        """Take more text; the part that can go out now."""
+        self.text += text
+        if self.held:
+            return ""
+        at = self.text.find(TAG, self.sent)
+        if at >= 0:
+            self.held, end = True, at
+        else:
+            end = len(self.text) - _tag_start(self.text)
+        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return piece
+
+    def rest(self, text: str) -> str:
+        """At the end, with the whole `text`: the content still to send (up to the
+        first well-formed block, or all of it without one)."""
+        first, _calls = _hermes_blocks(text)
+        return text[self.sent : first]
+
+
+def _tag_start(text: str) -> int:
+    """The length of the longest end of `text` that begins `<tool_call>`."""
+    for length in range(min(len(TAG) - 1, len(text)), 0, -1):
+        if TAG.startswith(text[-length:]):
+            return length
+    return 0

@@ -17,6 +17,8 @@ import jsonschema
 import openai
 import pytest
 
+from kvscope.web.tools import HeldContent
+
 from .conftest import Live, bundled_with_template, running_server, wait_clean
 
 TEMPLATE = (
@@ -174,7 +176,10 @@ def test_auto_finds_hermes_blocks(served: tuple[Live, openai.OpenAI]) -> None:
     )
     deltas = [c.choices[0] for c in stream if c.choices]
     assert "".join(d.delta.content or "" for d in deltas) == "Sure."
-    [streamed] = [call for d in deltas for call in d.delta.tool_calls or []]
+    calls_at = [i for i, d in enumerate(deltas) if d.delta.tool_calls]
+    # The content went out as it came, before the calls (at the end).
+    assert [i for i, d in enumerate(deltas) if d.delta.content] < calls_at
+    [streamed] = deltas[calls_at[0]].delta.tool_calls
     assert json.loads(streamed.function.arguments) == {"city": "Rome"}
     assert deltas[-1].finish_reason == "tool_calls"
     no_call = client.chat.completions.create(
@@ -187,7 +192,32 @@ def test_auto_finds_hermes_blocks(served: tuple[Live, openai.OpenAI]) -> None:
     assert no_call.choices[0].finish_reason == "stop"
     assert re.fullmatch("[a-z]{5}", no_call.choices[0].message.content)
     assert not no_call.choices[0].message.tool_calls
+    plain_stream = client.chat.completions.create(
+        model="model",
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=20,
+        stream=True,
+        extra_body={"guided_regex": "[a-z]{5}"},
+    )
+    pieces = [c.choices[0].delta.content for c in plain_stream if c.choices]
+    assert re.fullmatch("[a-z]{5}", "".join(p or "" for p in pieces))
+    assert len([p for p in pieces if p]) > 1  # streamed, not held to the end
     wait_clean(live)
+
+
+def test_content_is_held_only_where_a_call_may_start() -> None:
+    held = HeldContent()
+    assert held.feed("Let me check. <to") == "Let me check. "
+    assert held.feed("ol") == ""
+    assert held.feed("s and more") == "<tools and more"  # not a tag after all
+    assert held.feed(' <tool_call>{"name"') == " "
+    assert held.feed(': "f"}</tool_call> after') == ""
+    text = held.text
+    assert held.rest(text) == ""  # the content before the block is all out
+    broken = HeldContent()
+    assert broken.feed("a<tool_call>not json") == "a"
+    assert broken.rest(broken.text) == "<tool_call>not json"  # no call: all content
 
 
 def test_what_cannot_hold_is_refused_by_name(served: tuple[Live, openai.OpenAI]) -> None:
