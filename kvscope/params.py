@@ -212,8 +212,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = attrs.field(default=False, validator=v.instance_of(bool))
     #: vLLM's: special tokens (EOS, chat markers) show no text; False shows theirs.
     skip_special_tokens: bool = attrs.field(default=True, validator=v.instance_of(bool))
-    # What OpenAI and vLLM add (kernels/sampling.py applies them, in vLLM's order: bias,
-    # min_tokens, then the penalties, before temperature, top-k and top-p).
+    # What OpenAI and vLLM add (kernels/sampling.py applies them, in vLLM's order:
+    # allowed_token_ids, bias, min_tokens, then the penalties, before temperature,
+    # min_p, top-k and top-p).
     #: Log-probabilities of each chosen token and of the `logprobs` most likely
     #: alternatives (0: the chosen token's only); None: none.
     logprobs: int | None = _bounded(None, Bound(0, MAX_LOGPROBS, integer=True), optional=True)

@@ -1,16 +1,17 @@
 """Token sampling from a step's logits, one row per sequence that samples.
 
-The order is vLLM's: `allowed_token_ids` bans every other token, `logit_bias` is
-added, `min_tokens` bans the stop tokens, the repetition, frequency and presence
-penalties are applied, a grammar's mask (structured output) removes what it forbids; then greedy rows are one batched `argmax` and the
-others apply temperature, min-p, top-k and top-p and draw (`_inverse_cdf`) with the
-request's own `torch.Generator`, so a seeded request gives the same tokens whatever else
-shares its batch. Each processor works on the whole `[rows, vocab]` tensor at once (index lists
-built from the rows that asked for it), and a batch that asks for none of them costs one
-scan of its parameters.
+The order is vLLM's: `allowed_token_ids` bans every other token, `logit_bias` is added,
+`min_tokens` bans the stop tokens, the repetition, frequency and presence penalties are
+applied, a grammar's mask (structured output) removes what it forbids; then greedy rows
+are one batched `argmax` and the others apply temperature, min-p, top-k and top-p and
+draw (`_inverse_cdf`) with the request's own `torch.Generator`, so a seeded request
+gives the same tokens whatever else shares its batch. Each processor works on the whole
+`[rows, vocab]` tensor at once (index lists built from the rows that asked for it), and
+a batch that asks for none of them costs one scan of its parameters.
 
 Log-probabilities are vLLM's default ("raw_logprobs"): the log-softmax of the model's
-own logits, before the bias, the penalties, the grammar, temperature, top-k and top-p.
+own logits, before the allowed set, the bias, the penalties, the grammar, temperature,
+min-p, top-k and top-p.
 """
 
 from __future__ import annotations

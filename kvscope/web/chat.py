@@ -55,6 +55,7 @@ async def chat_prompt(
             f"{engine.max_prompt_bytes} bytes"
         )
     variables = _checked(options, plain)
+    size += len(json.dumps(tools)) if tools else 0  # the template renders them too
     # A generation prompt would open a new turn after the one to continue.
     opens_turn = options.add_generation_prompt and not options.continue_final_message
     if engine.loaded.chat_template is not None:

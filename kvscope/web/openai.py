@@ -14,7 +14,8 @@ ignored: unknown fields, a model this server does not run (404), `max_tokens` be
 the context, a non-JSON `Content-Type`, `stream_options` without `stream`,
 `prompt_logprobs` with `stream` (as vLLM), `best_of`, `tools` with a stream's
 `logprobs`. `echo` with `logprobs` scores the prompt too (its log-probabilities come
-first, the first token's null, as vLLM's do). Tool calls are `tools.py`'s. Errors are in OpenAI's shape (see `errors`).
+first, the first token's null, as vLLM's do). Tool calls are `tools.py`'s. Errors are
+in OpenAI's shape (see `errors`).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ async def chat_completions() -> Any:
             param="tool_choice",
         )
     if tools.calls_tools and body.stream and body.logprobs:
-        # A streamed choice that may call a tool is sent whole at its end.
+        # A stream's choice that may call a tool sends its text as content up to a call
+        # or as arguments, and the calls at its end; no log-probabilities beside them.
         raise ApiError(400, "logprobs with tools is not streamed", param="logprobs")
     prompt = await chat_prompt(ctx.engine, body.messages, body, tools=tools.template_tools())
     ids = truncated(prompt, body)

@@ -2,10 +2,10 @@
 
 `Choices` shows a choice's text and log-probabilities in the completions or the chat
 format, with the echoed prompt's first (completions with `echo`, scored with
-`logprobs`). `ChunkFormat` builds a streamed response's chunk objects; the chunk sent for
-each token (a text delta without log-probabilities) is the per-token path, so it is
-pre-built as a JSON template around the one string that changes, and `text_chunk`
-gives the same bytes as `sse.encode(chunk(index, text, None))` at a fraction of the
+`logprobs`). `ChunkFormat` builds a streamed response's chunk objects; the chunk sent
+for each token (a text delta without log-probabilities) is the per-token path, so it is
+pre-built as a JSON template around the one string that changes, and `text_chunk` gives
+the same bytes as `sse.encode(chunk(index, text, None))` at a fraction of the
 cost (tests/web/test_sse_body.py holds the two together).
 """
 

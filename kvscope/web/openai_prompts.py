@@ -2,9 +2,9 @@
 
 A completions `prompt` is text, token ids, or a batch of either; each becomes a list of
 token ids (text tokenized off the loop when big), cut to its last
-`truncate_prompt_tokens` if asked. `max_tokens` must leave the prompt
-and the completion inside the model's context, or the call is a 400 naming both
-numbers (OpenAI's wording); unset, it is what fits (chat) or 16 (completions).
+`truncate_prompt_tokens` if asked. `max_tokens` must leave the prompt and the completion
+inside the model's context, or the call is a 400 naming both numbers (OpenAI's wording);
+unset, it is what fits (chat) or 16 (completions).
 """
 
 from __future__ import annotations

@@ -62,10 +62,11 @@ class ResponseFormat(BaseModel):
 
 class OpenAISampling(BaseModel):
     """Fields both routes take. Any other field is refused with a 400 naming it (for
-    example `suffix`, `functions`, `modalities`, `use_beam_search`); `best_of` above 1
-    is refused too. `user`, `metadata`, `store` and `service_tier` have no effect on the
-    output and are accepted. Log-probabilities are the model's raw ones (before penalties, bias,
-    grammar, temperature, top-k and top-p), as vLLM's default."""
+    example `suffix`, `functions`, `modalities`, `use_beam_search`); `best_of` above
+    1 is refused too. `user`, `metadata`, `store` and `service_tier` have no effect
+    on the output and are accepted. Log-probabilities are the model's raw ones
+    (before penalties, bias, grammar, temperature, top-k and top-p), as vLLM's
+    default."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 

@@ -25,9 +25,15 @@ from .errors import ApiError
 from .openai import check_model
 from .openai_schemas import ChatMessage, ChatTemplateOptions
 from .schemas import Strict
-from .tools import ToolDef
+from .tools import ToolDef, ToolPlan
 
 blueprint = Blueprint("tokens", __name__)
+
+#: `/tokenize` fields for a chat only, and for a text prompt only.
+CHAT_ONLY = frozenset(
+    {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+)
+PROMPT_ONLY = frozenset({"add_special_tokens"})
 
 
 class TokenizeBody(ChatTemplateOptions, Strict):
@@ -55,9 +61,13 @@ async def tokenize() -> Any:
     check_model(engine, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give one of prompt or messages", param="prompt")
+    unused = sorted(body.model_fields_set & (PROMPT_ONLY if body.messages else CHAT_ONLY))
+    if unused:  # refused, never ignored
+        what = "messages" if body.messages else "prompt"
+        raise ApiError(400, f"{unused[0]} does not apply with {what}", param=unused[0])
     if body.messages is not None:
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
-        ids = await chat_prompt(engine, body.messages, body, tools=tools or None)
+        tools = ToolPlan.of(body.tools, None, None).template_tools()
+        ids = await chat_prompt(engine, body.messages, body, tools=tools)
     else:
         assert body.prompt is not None
         ids = await engine.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)

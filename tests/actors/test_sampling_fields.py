@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from kvscope import Engine, InvalidRequest, SamplingParams
-from tests.conftest import open_engine, wait_for
+from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -133,7 +133,8 @@ async def test_prompt_logprobs_score_every_prompt_token_whatever_was_cached(work
 
 async def test_a_request_cancelled_mid_prompt_keeps_the_scores_it_had():
     """Cancelled while its second prefill chunk is held before the forward: the first
-    chunk's tokens keep their scores, the rest are None, nothing leaks (open_engine)."""
+    chunk's tokens keep their scores, the rest are None; its blocks are released at
+    the cancel, one audit line says so, and nothing leaks (open_engine)."""
     async with open_engine(block_size=4, max_num_batched_tokens=4) as engine:
         second, release, calls = threading.Event(), threading.Event(), []
 
@@ -147,9 +148,12 @@ async def test_a_request_cancelled_mid_prompt_keeps_the_scores_it_had():
         prompt = engine.tokenizer.encode("one two three four five six seven eight nine ten")
         job = await engine.submit(prompt, max_tokens=4, prompt_logprobs=0, **GREEDY)
         assert await anyio.to_thread.run_sync(second.wait, 10), "no second chunk"
-        await engine.cancel(job.id)
+        report = await engine.cancel(job.id)
         release.set()
         result = await job.wait()
+        [line] = audit_lines(engine, job.id)
+    assert report.found and report.blocks_released > 0 and report.in_running_step
+    assert line["finish_reason"] == "cancelled" and line["released"] is not None
     assert result.finish_reason == "cancelled" and result.prompt_logprobs is not None
     scored = [lp is not None for lp in result.prompt_logprobs]
     assert scored == [False] + [True] * 4 + [False] * (len(prompt) - 5)

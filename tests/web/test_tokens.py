@@ -47,6 +47,17 @@ def test_bad_token_bodies_are_refused_by_name(live: Live) -> None:
             ("/tokenize", {"prompt": 5}, "prompt"),
             ("/tokenize", {"prompt": "x", "suffix": "y"}, "suffix"),
             ("/tokenize", {"messages": []}, "messages"),
+            (
+                "/tokenize",
+                {"prompt": "x", "chat_template_kwargs": {"a": 1}},
+                "chat_template_kwargs",
+            ),
+            ("/tokenize", {"prompt": "x", "tools": []}, "tools"),
+            (
+                "/tokenize",
+                {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": False},
+                "add_special_tokens",
+            ),
             ("/detokenize", {"tokens": [1, vocab_size]}, "tokens"),
             ("/detokenize", {"tokens": [-1]}, "tokens"),
             ("/detokenize", {}, "tokens"),
