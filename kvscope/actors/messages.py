@@ -69,6 +69,9 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str
     prompt_tokens: int
+    #: Prompt tokens it found computed when first admitted (prefix-cache hits, or the
+    #: prefix its parent computed); 0 if it ended before admission.
+    cached_tokens: int = 0
     cancel_reason: str | None = None
     error: str | None = None
     #: One per token of `token_ids` when the request asked for `logprobs`.

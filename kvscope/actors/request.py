@@ -367,6 +367,7 @@ class RequestState:
             token_ids=tuple(self.token_ids),
             finish_reason=self.finish_reason or "cancelled",
             prompt_tokens=self.num_prompt_tokens,
+            cached_tokens=self.seq.num_cached_prompt or 0,
             cancel_reason=self.cancel_reason,
             error=self.error,
             logprobs=tuple(self.logprobs) if self.logprobs is not None else None,

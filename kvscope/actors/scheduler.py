@@ -260,6 +260,8 @@ class Scheduler:
         pool.acquire(shared)
         self.prompt_tokens_admitted += len(seq.tokens)
         self.prompt_tokens_reused += num_computed
+        if seq.num_cached_prompt is None:
+            seq.num_cached_prompt = num_computed
         seq.block_table = list(shared)
         seq.num_computed = num_computed
         seq.num_committed = num_computed // size

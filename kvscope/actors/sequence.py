@@ -45,6 +45,7 @@ class Sequence:
         "tokens",
         "num_prompt_tokens",
         "num_computed",
+        "num_cached_prompt",
         "block_table",
         "block_hashes",
         "num_committed",
@@ -76,6 +77,9 @@ class Sequence:
         self.tokens = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.num_computed = 0
+        #: Prompt tokens found computed (a cached prefix, or its parent's) when it was
+        #: first admitted; None until then. A preemption's recompute does not count.
+        self.num_cached_prompt: int | None = None
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_committed = 0  # leading full blocks registered in the prefix cache

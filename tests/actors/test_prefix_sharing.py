@@ -44,6 +44,10 @@ async def test_a_repeated_prompt_hits_the_prefix_cache():
         await engine.cancel(again.id)
         rerun = await engine.generate(PROMPT, max_tokens=4, **GREEDY)
         assert rerun.token_ids == first.token_ids
+        # The completion says how much of its prompt it found computed: the 4 full
+        # blocks before the one holding the token it recomputes.
+        assert first.cached_tokens == 0 and rerun.cached_tokens == 4 * 16
+        assert (await again.wait()).cached_tokens == 4 * 16
 
 
 async def test_releasing_one_sharer_never_frees_a_block_another_holds():
