@@ -21,7 +21,8 @@ What it adds in front of the Quart app, knowing it is one of several replicas:
   one replica;
 * a body that names a `parent` on another replica is forwarded to that replica
   (`peers.forward`; on a WebSocket, `wschildren`), so children start inside their
-  parent's scope there;
+  parent's scope there; so is a response whose `previous_response_id` another
+  replica stores (responses are stored where they ran);
 * the kvscope id is repeated in `X-Kvscope-Request-Id`, because Ray Serve's proxy
   appends its own value to `X-Request-Id`;
 * Serve's cancellation of a call becomes the disconnect message Quart expects
@@ -49,7 +50,7 @@ from kvscope.web.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 
 from .direct import DirectHosts, DirectListener
-from .ids import REPLICA_HEADER, routing_key
+from .ids import REPLICA_HEADER, path_id, routing_key
 from .merge import merge_metrics, merge_stats
 from .messages import (
     Message,
@@ -296,12 +297,13 @@ class ReplicaApp:
     async def _answer_here(self, scope: Message, receive: Receive, send: Send) -> bool:
         path, method = scope["path"], scope["method"]
         target = routing_key(path, scope.get("query_string", b""), scope.get("headers", ()))
-        if path.startswith("/requests/") and target not in (None, self.replica):
+        named = path_id(path)
+        if named is not None and target not in (None, self.replica):
             if not is_forwarded(scope) and await self._forward_direct(target, scope, receive, send):
                 return True
-            request_id = path.split("/")[2]
+            what = "response" if named.startswith("resp_") else "request"
             message = (
-                f"no request {request_id!r}: it belongs to replica {target}, which is not "
+                f"no {what} {named!r}: it belongs to replica {target}, which is not "
                 "running (it died or was replaced, and its requests with it)"
             )
             await json_answer(send, 404, error_body(message, "not_found_error"))
@@ -318,7 +320,7 @@ class ReplicaApp:
                 stats.update(replica=self.replica, pid=os.getpid())
                 await json_answer(self._tagged(send), 200, stats)
             return True
-        if method == "POST" and path == "/generate":
+        if method == "POST" and path in ("/generate", "/v1/responses"):
             return await self._forward_to_parent(scope, receive, send)
         return False
 

@@ -6,9 +6,13 @@ that died never reaches its successor). Everything here is plain Python (no Ray)
 request router runs it in Serve's proxy for every call, and the replica runs it to
 tell its own ids from another's.
 
+A response of the Responses API is named after its request (`resp_<replica>-<32 hex>`
+for `req-<replica>-<32 hex>`), so it names its replica too: the one that stores it.
+
 The routing key of an HTTP call, most specific first: the id in the path
-(`/requests/{id}`, `/requests/{id}/events`), then the `X-Kvscope-Replica` header, then
-the `replica` query parameter. A call without one goes to the least loaded replica.
+(`/requests/{id}`, `/requests/{id}/events`, `/v1/responses/{id}` and its `/cancel`
+and `/input_items`), then the `X-Kvscope-Replica` header, then the `replica`
+query parameter. A call without one goes to the least loaded replica.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import re
 from collections.abc import Iterable
 from urllib.parse import parse_qs
 
+from kvscope.web.response_ids import request_of_response
+
 #: The header (or `?replica=` query parameter) that sends a call to one replica.
 REPLICA_HEADER = "x-kvscope-replica"
 
 _OWNED_ID = re.compile(r"req-([A-Za-z0-9]+)-[0-9a-f]{32}")
 _ID_PATH = re.compile(r"/requests/([^/]+)(?:/events)?/?")
+_RESPONSE_PATH = re.compile(r"/v1/responses/(resp_[^/]+?)(?:/cancel|/input_items)?/?")
 
 
 def id_prefix(replica: str) -> str:
@@ -35,10 +42,24 @@ def owner_of(request_id: str) -> str | None:
     return match.group(1) if match else None
 
 
+def path_id(path: str) -> str | None:
+    """The id an HTTP call's path names (a request's, or a response's), or None."""
+    if match := _ID_PATH.fullmatch(path):
+        return match.group(1)
+    if match := _RESPONSE_PATH.fullmatch(path):
+        return match.group(1)
+    return None
+
+
+def id_owner(any_id: str) -> str | None:
+    """The replica a request's or a response's id names, or None."""
+    return owner_of(request_of_response(any_id) if any_id.startswith("resp_") else any_id)
+
+
 def routing_key(path: str, query: bytes, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """The replica an HTTP call must reach (see the module docstring), or None."""
-    match = _ID_PATH.fullmatch(path)
-    if match and (owner := owner_of(match.group(1))):
+    named = path_id(path)
+    if named is not None and (owner := id_owner(named)):
         return owner
     for name, value in headers:
         if name.lower() == REPLICA_HEADER.encode():

@@ -12,7 +12,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .ids import owner_of
+from .ids import id_owner
 
 #: Serve's per-call timeout header (it overrides `request_timeout_s`; <= 0 disables).
 TIMEOUT_HEADER = b"x-request-timeout-seconds"
@@ -25,13 +25,16 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 def parent_owner(body: str | bytes) -> str | None:
-    """The replica that owns the `parent` a JSON body names, if it names one."""
+    """The replica that owns the `parent` a JSON body names (a request), or its
+    `previous_response_id` (a stored response), if it names one."""
     try:
         data = json.loads(body)
     except ValueError:
         return None  # the local app answers the 400
-    parent = data.get("parent") if isinstance(data, dict) else None
-    return owner_of(parent) if isinstance(parent, str) else None
+    if not isinstance(data, dict):
+        return None
+    parent = data.get("parent", data.get("previous_response_id"))
+    return id_owner(parent) if isinstance(parent, str) else None
 
 
 async def read_body(receive: Receive) -> bytes | None:

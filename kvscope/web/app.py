@@ -20,7 +20,18 @@ from quart_trio import QuartTrio
 import kvscope
 from kvscope import Engine
 
-from . import auth, dashboard, errors, jobs, observability, openai, streaming, tokens, websocket
+from . import (
+    auth,
+    dashboard,
+    errors,
+    jobs,
+    observability,
+    openai,
+    responses,
+    streaming,
+    tokens,
+    websocket,
+)
 from .context import ServerContext, server
 from .fast_path import FastPath
 from .guard import BodyGuard
@@ -66,7 +77,7 @@ def create_app(
     app.before_request(_admission_turn)
     context = app.extensions["kvscope"]
     app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
-    for module in (jobs, streaming, websocket, openai, tokens, observability, dashboard):
+    for module in (jobs, streaming, websocket, openai, responses, tokens, observability, dashboard):
         app.register_blueprint(module.blueprint)
     return app
 

@@ -19,6 +19,7 @@ from kvscope import Engine
 
 from .metrics import Metrics
 from .settings import ServerSettings
+from .tool_parsers import parser_for
 
 #: When the serving layer in front gives up on the current HTTP call (time.monotonic());
 #: None when nothing does. Ray Serve's request timeout sets it (kvscope.replicas), so
@@ -39,6 +40,8 @@ class ServerContext:
         self.settings = settings
         self.metrics = metrics
         self.started = int(time.time())
+        #: How `tool_choice: auto` reads calls (`settings.tool_call_parser`).
+        self.tool_parser = parser_for(settings.tool_call_parser, engine.loaded.chat_template)
         #: Set once shutdown began: WebSockets stop waiting for new bodies.
         self.shutting_down = anyio.Event()
         self.open_streams = 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from quart import Blueprint, request
 from quart_schema import document_request
 
@@ -38,6 +39,7 @@ from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 
 B = TypeVar("B", bound=OpenAISampling)
+M = TypeVar("M", bound=BaseModel)
 
 
 def _model_card(ctx: ServerContext) -> dict[str, Any]:
@@ -94,7 +96,7 @@ async def chat_completions() -> Any:
     body = await _read(ChatBody)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    tools = body.tool_plan  # a 400 where tools and tool_choice disagree
+    tools = body.tool_plan.reading(ctx.tool_parser)  # a 400 where tools and tool_choice disagree
     guided = body.response_format is not None or body.guided_json is not None
     guided = guided or body.guided_regex is not None or body.guided_choice is not None
     if tools.guide() is not None and guided:
@@ -119,8 +121,9 @@ async def chat_completions() -> Any:
 # -- reading and checking a body ---------------------------------------------------------
 
 
-async def _read(model: type[B]) -> B:
-    """The body as `model`: JSON only, every field known, the model this one."""
+async def read_openai_body(model: type[M]) -> M:
+    """The body as `model`: JSON only, every field known, the model (`model`) this
+    server's."""
     mimetype = request.mimetype
     if mimetype != "application/json" and not mimetype.endswith("+json"):
         raise ApiError(400, f"Content-Type must be application/json, not {mimetype or 'none'!r}")
@@ -130,6 +133,13 @@ async def _read(model: type[B]) -> B:
         if unknown:
             raise ApiError(400, f"{unknown[0]} is not supported by this server", param=unknown[0])
     body = validate(model, data)
+    check_model(server().engine, getattr(body, "model", None))
+    return body
+
+
+async def _read(model: type[B]) -> B:
+    """A completions or chat body, its sampling fields' rules checked."""
+    body = await read_openai_body(model)
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
         raise ApiError(
@@ -137,7 +147,6 @@ async def _read(model: type[B]) -> B:
         )
     if fmt is not None and fmt.type != "text" and body.guided_json is not None:
         raise ApiError(400, "give response_format or guided_json, not both", param="guided_json")
-    check_model(server().engine, body.model)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
     if body.prompt_logprobs is not None and body.stream:

@@ -29,16 +29,27 @@ from .errors import ApiError
 from .openai_format import Choices, ChunkFormat, usage
 from .openai_schemas import OpenAISampling
 from .sse import DONE, StreamBody, encode, sse_response
-from .tools import HeldContent, ToolPlan
+from .tools import ToolPlan
 
 Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
 
 
 async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str, Any]:
-    """The body's `SamplingParams` kwargs, checked here so a bad one names its field. A
-    grammar compiles in a worker thread (a large schema can take a while), into the
-    cache the engine then reads."""
-    kwargs = body.sampling(max_tokens)
+    """The body's `SamplingParams` kwargs, checked here so a bad one names its field."""
+    if body.response_format is not None:
+        schema_field = "response_format"  # what the client sent
+    elif body.guided_json is not None:
+        schema_field = "guided_json"
+    else:
+        schema_field = "tools"  # the schema of a required or named tool call
+    return await check_params(engine, body.sampling(max_tokens), schema_field)
+
+
+async def check_params(engine: Engine, kwargs: dict[str, Any], schema_field: str) -> dict[str, Any]:
+    """`kwargs` once they make valid `SamplingParams` for `engine`'s model: else a 400
+    naming the field (`schema_field` for the JSON schema, which the client sent under
+    its own name). A grammar compiles in a worker thread (a large schema can take a
+    while), into the cache the engine then reads."""
     try:
         params = SamplingParams(**kwargs)
         params.check_vocab(engine.loaded.config.vocab_size)
@@ -46,22 +57,27 @@ async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) 
             await anyio.to_thread.run_sync(engine.guides.check, params)
     except ValueError as exc:
         param = field_of(exc)
-        if param == "guided_json" and body.response_format is not None:
-            param = "response_format"  # what the client sent
-        elif param == "guided_json" and body.guided_json is None:
-            param = "tools"  # the schema of a required or named tool call
-        raise ApiError(400, str(exc), param=param) from None
+        raise ApiError(
+            400, str(exc), param=schema_field if param == "guided_json" else param
+        ) from None
     return kwargs
 
 
-async def start(ctx: ServerContext, plans: list[Plan], body: OpenAISampling) -> list[Job]:
+async def start(
+    ctx: ServerContext, plans: list[Plan], body: OpenAISampling, tools: ToolPlan | None = None
+) -> list[Job]:
     """Each prompt's `n` samples as one family, in choice order."""
     jobs: list[Job] = []
     checked = [await check_sampling(ctx.engine, body, max_tokens) for _ids, max_tokens in plans]
+    overrides = tools.sampling_overrides() if tools is not None else {}
     try:
         for (ids, _max), sampling in zip(plans, checked, strict=True):
             jobs += await ctx.engine.submit_samples(
-                ids, n=body.n, priority=body.priority, owner=current_owner(), **sampling
+                ids,
+                n=body.n,
+                priority=body.priority,
+                owner=current_owner(),
+                **(sampling | overrides),
             )
     except BaseException:
         cancel_all(ctx, jobs, "disconnect")
@@ -83,7 +99,7 @@ async def complete(
     tools: ToolPlan | None = None,
 ) -> Any:
     """Run the call and answer it: an SSE stream with `stream`, else the whole response."""
-    jobs = await start(ctx, plans, body)
+    jobs = await start(ctx, plans, body, tools)
     view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
     fmt = ChunkFormat(jobs[0].id, int(time.time()), ctx.engine.model_name, chat=chat)
     if body.stream:
@@ -138,7 +154,7 @@ async def stream_chunks(
     chat = view.chat
     whole = tools if tools is not None and tools.calls_tools else None
     auto = whole is not None and whole.mode == "auto"
-    held = {i: HeldContent() for i in range(len(jobs))} if auto else {}
+    held = {i: whole.held_content() for i in range(len(jobs))} if whole and auto else {}
     streamed = [0] * len(jobs)  # the tokens each choice has streamed so far
     prompt_lengths = [len(view.prompts[i // body.n]) for i in range(len(jobs))]
 

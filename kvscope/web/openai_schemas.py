@@ -30,6 +30,12 @@ MAX_N = 16
 MAX_TEMPERATURE = 2.0
 
 
+def set_by_client(body: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields of `names` that the client set in `body` (a field with a checkpoint
+    generation default goes only then, so the engine fills it otherwise)."""
+    return {name: getattr(body, name) for name in names if name in body.model_fields_set}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -121,11 +127,7 @@ class OpenAISampling(BaseModel):
         vLLM and the native routes do."""
         params: dict[str, Any] = {
             "max_tokens": max_tokens,
-            **{
-                name: getattr(self, name)
-                for name in GENERATION_DEFAULTED
-                if name in self.model_fields_set
-            },
+            **set_by_client(self, GENERATION_DEFAULTED),
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,

@@ -27,6 +27,7 @@ from kvscope.scheduling import LOOP_PRIORITY
 
 from .server import Server
 from .settings import ServerSettings
+from .tool_parsers import PARSERS
 
 log = logging.getLogger("kvscope.web")
 
@@ -71,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=attrs.fields(ServerSettings).tool_call_parser.default,
+        help="how tool_choice auto reads calls: the format the chat template shows, "
+        "unless set (vLLM's parsers of these names)",
     )
     group.add_argument(
         "--loop-priority",
@@ -121,6 +129,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout,
         loop_priority=args.loop_priority,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

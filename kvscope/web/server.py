@@ -102,13 +102,15 @@ class Server:
                 if self.handle_signals:
                     await tg.start(self._watch_signals)
                 log.info(
-                    "kvscope listening on %s (model %s, device %s, backend %s, %d API key(s), audit log %s)",
+                    "kvscope listening on %s (model %s, device %s, backend %s, %d API key(s), "
+                    "audit log %s, tool calls read as %s)",
                     self.url,
                     engine.model_name,
                     engine.device,
                     self.settings.backend,
                     len(self.settings.api_keys),
                     engine.config.audit_log or "in memory",
+                    ctx.tool_parser.name,
                 )
                 task_status.started(self.port)
                 await serve_app(app, config, self.settings.backend, self._stop_serving.wait)

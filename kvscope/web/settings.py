@@ -15,6 +15,8 @@ from attrs import validators as v
 
 from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
+from .tool_parsers import PARSERS
+
 
 def key_id(key: str) -> str:
     """A stable, non-secret name for an API key: what logs and the audit log show."""
@@ -64,5 +66,12 @@ class ServerSettings:
     #: The real-time (SCHED_FIFO) priority the event loop's thread asks for, 1-99, where
     #: the OS allows it (0: none; see `kvscope.scheduling`).
     loop_priority: int = attrs.field(default=LOOP_PRIORITY, validator=[v.ge(0), v.le(99)])
+    #: Responses (`/v1/responses` with `store`) kept for GET and `previous_response_id`,
+    #: and the bytes of their conversations; past either the oldest go first.
+    stored_responses: int = attrs.field(default=1000, validator=v.ge(0))
+    stored_responses_bytes: int = attrs.field(default=64 << 20, validator=v.ge(0))
+    #: How `tool_choice: auto` reads calls out of the text (`web.tool_parsers`);
+    #: `auto` picks the format the chat template shows.
+    tool_call_parser: str = attrs.field(default="auto", validator=v.in_(PARSERS))
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))

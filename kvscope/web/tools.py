@@ -3,11 +3,12 @@
 The tools reach the chat template as `tools` (as transformers passes them) unless
 `tool_choice` is `none`. What the model writes becomes calls according to the choice:
 
-* `auto` (the default with tools): `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>` blocks in the text are the calls: the Hermes format that Qwen2.5 and
-  Qwen3 are trained on (vLLM's `hermes` parser). The text before the first block is the
-  message's content; `finish_reason` is `tool_calls`. Without a well-formed block, the
-  text is the content.
+* `auto` (the default with tools): the calls are read out of the text in the format
+  the model was trained on (`tool_parsers`: Hermes `<tool_call>` blocks, Mistral's
+  `[TOOL_CALLS]`, Llama 3's JSON; the server's `--tool-call-parser`, picked by the
+  chat template unless set). The text before the first call is the message's
+  content; `finish_reason` is `tool_calls`. Without a well-formed call, the text is the
+  content.
 * `required`: the output is constrained (structured output, `kernels/guided.py`) to a
   JSON array of one or more `{"name", "parameters"}` calls of the given tools, as vLLM
   does; `finish_reason` is `tool_calls`.
@@ -16,24 +17,20 @@ The tools reach the chat template as `tools` (as transformers passes them) unles
 
 `parallel_tool_calls: false` keeps one call. Streamed, a named function's arguments
 go out as they come (`argument_deltas`, OpenAI's and vLLM's way); under `auto` the
-content goes out as it comes up to a `<tool_call>` tag (`HeldContent`), and the calls
-(and any content left) in one delta at the end; under `required`, all at the end.
+content goes out as it comes up to where a call may begin (`HeldContent`), and the
+calls (and any content left) in one delta at the end; under `required`, all at the end.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any, Literal
 
 import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ApiError
-
-#: vLLM's `hermes` format: one call per block, JSON inside.
-CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+from .tool_parsers import HERMES, HeldContent, ToolParser, tool_call
 
 
 class FunctionDef(BaseModel):
@@ -72,6 +69,7 @@ class ToolPlan:
     tools: tuple[ToolDef, ...] = ()
     name: str | None = None  # the function a named choice calls
     single: bool = False  # parallel_tool_calls: false
+    parser: ToolParser = HERMES  # how `auto` reads calls (the server's, `reading`)
 
     @classmethod
     def of(
@@ -94,6 +92,21 @@ class ToolPlan:
             raise ApiError(400, f'tool_choice "{choice}" needs tools', param="tool_choice")
         return cls(choice, tuple(tools), None, parallel is False)
 
+    def reading(self, parser: ToolParser) -> ToolPlan:
+        """This plan, its calls read by `parser` (the server's)."""
+        return attrs.evolve(self, parser=parser)
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """What the request's sampling must change for its calls to be read: a format
+        whose markers are special tokens keeps them in the text under `auto`."""
+        if self.mode == "auto" and self.parser.keeps_special_tokens:
+            return {"skip_special_tokens": False}
+        return {}
+
+    def held_content(self) -> HeldContent:
+        """What a stream sends of a choice's content as it comes, under `auto`."""
+        return HeldContent(self.parser)
+
     @property
     def calls_tools(self) -> bool:
         return self.mode != "none"
@@ -108,7 +121,7 @@ class ToolPlan:
         first names the call, the rest add to its arguments."""
         assert self.name is not None
         if first:
-            return [_call(self.name, text)]
+            return [tool_call(self.name, text)]
         return [{"function": {"arguments": text}}]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -143,15 +156,16 @@ class ToolPlan:
         """A choice's message content, its tool calls and its finish reason."""
         if self.mode == "function":
             assert self.name is not None
-            return None, [_call(self.name, text)], finish_reason
+            return None, [tool_call(self.name, text)], finish_reason
         if self.mode == "required":
             calls = _required_calls(text)
             if calls is None:  # cut short (length) or cancelled: no whole array
                 return text, [], finish_reason
             return None, calls[:1] if self.single else calls, "tool_calls"
         if self.mode == "auto":
-            content, calls = _hermes_calls(text)
+            first, calls = self.parser.calls(text)
             if calls:
+                content = text[:first].strip() or None
                 return content, calls[:1] if self.single else calls, "tool_calls"
         return text, [], finish_reason
 
@@ -162,14 +176,6 @@ class ToolPlan:
         raise KeyError(name)
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
-
-
 def _required_calls(text: str) -> list[dict[str, Any]] | None:
     try:
         calls = json.loads(text)
@@ -178,76 +184,7 @@ def _required_calls(text: str) -> list[dict[str, Any]] | None:
     if not isinstance(calls, list):
         return None
     return [
-        _call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+        tool_call(call["name"], call["parameters"])
         for call in calls
         if isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call
     ]
-
-
-def _hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """The calls of the well-formed `<tool_call>` blocks in `text`, and the content
-    before the first block (None if only whitespace)."""
-    first, calls = _hermes_blocks(text)
-    if not calls:
-        return text, []
-    return text[:first].strip() or None, calls
-
-
-def _hermes_blocks(text: str) -> tuple[int, list[dict[str, Any]]]:
-    """Where the first well-formed `<tool_call>` block starts (the text's end if
-    none), and the calls of all of them."""
-    calls = []
-    first = None
-    for match in CALL_BLOCK.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        calls.append(_call(call["name"], arguments))
-        first = match.start() if first is None else first
-    return (len(text) if first is None else first), calls
-
-
-TAG = "<tool_call>"
-
-
-class HeldContent:
-    """(a streamed choice under `auto`) The content it can send as it comes: its text
-    up to a `<tool_call>` tag, holding back an end that could be the start of one."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.sent = 0  # characters of `text` sent
-        self.held = False  # a tag came: the rest waits for the end
-
-    def feed(self, text: str) -> str:
-        """Take more text; the part that can go out now."""
-        self.text += text
-        if self.held:
-            return ""
-        at = self.text.find(TAG, self.sent)
-        if at >= 0:
-            self.held, end = True, at
-        else:
-            end = len(self.text) - _tag_start(self.text)
-        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
-        return piece
-
-    def rest(self, text: str) -> str:
-        """At the end, with the whole `text`: the content still to send (up to the
-        first well-formed block, or all of it without one)."""
-        first, _calls = _hermes_blocks(text)
-        return text[self.sent : first]
-
-
-def _tag_start(text: str) -> int:
-    """The length of the longest end of `text` that begins `<tool_call>`."""
-    for length in range(min(len(TAG) - 1, len(text)), 0, -1):
-        if TAG.startswith(text[-length:]):
-            return length
-    return 0

@@ -146,3 +146,40 @@ def test_prompts_that_share_a_prefix_go_to_one_replica(live: Cluster) -> None:
     (replica,) = answered
     after = live.replicas()[replica]
     assert after["prompt_tokens_reused"] - before[replica]["prompt_tokens_reused"] > 0
+
+
+def test_a_stored_response_is_found_cancelled_and_continued_on_its_replica(live: Cluster) -> None:
+    """Responses are stored where they ran: retrieving, cancelling and continuing one
+    (`previous_response_id`, sent to the other replica on purpose) reach that replica."""
+    with live.client() as client:
+        first = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 3})
+        assert first.status_code == 200, first.text
+        stored = first.json()
+        owner = first.headers["x-kvscope-replica"]
+        other = next(name for name in live.replicas() if name != owner)
+        for _ in range(4):  # each would miss half the time on a replica of Serve's choice
+            again = client.get(f"/v1/responses/{stored['id']}")
+            assert again.status_code == 200 and again.json() == stored
+        continued = client.post(
+            "/v1/responses",
+            json={"input": "More", "previous_response_id": stored["id"], "max_output_tokens": 2},
+            headers={"X-Kvscope-Replica": other},
+        )
+        assert continued.status_code == 200, continued.text
+        assert continued.headers["x-kvscope-replica"] == owner
+        usage = continued.json()["usage"]
+        assert usage["input_tokens"] > stored["usage"]["input_tokens"]
+        background = client.post(
+            "/v1/responses",
+            json={
+                "input": "A story",
+                "background": True,
+                "max_output_tokens": 3000,
+                "ignore_eos": True,
+            },
+        ).json()
+        cancelled = client.post(f"/v1/responses/{background['id']}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        assert client.delete(f"/v1/responses/{background['id']}").json()["deleted"] is True
+        assert client.get(f"/v1/responses/{background['id']}").status_code == 404
+    live.wait_clean()

@@ -47,6 +47,12 @@ def test_routing_key_path_then_header_then_query() -> None:
     assert routing_key("/generate", b"replica=r3", header) == "r2"
     assert routing_key("/stats", b"replica=%400", []) == "@0"
     assert routing_key("/generate", b"", []) is None
+    # A response is named after its request: it reaches the replica that stores it.
+    response = "resp_" + owned.removeprefix("req-")
+    assert routing_key(f"/v1/responses/{response}", b"", header) == "r1"
+    assert routing_key(f"/v1/responses/{response}/cancel", b"", []) == "r1"
+    assert routing_key(f"/v1/responses/{response}/input_items", b"", []) == "r1"
+    assert routing_key("/v1/responses/resp_" + "0" * 32, b"", []) is None
 
 
 def test_pick_by_name_or_index() -> None:

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvscope.web.tools import HeldContent
+from kvscope.web.tool_parsers import HERMES, HeldContent
 
 from .conftest import Live, bundled_with_template, running_server, wait_clean
 
@@ -45,6 +45,22 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "Weather in Rome?"}]
+#: A conversation in which the assistant called `weather` and got its output.
+PAST_CALL = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Rome"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
 FORCED_CALL = 'Sure.<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}</tool_call>'
 
 
@@ -70,22 +86,7 @@ def rendered(live: Live, **body: object) -> str:
 
 def test_tools_and_past_calls_reach_the_template(served: tuple[Live, openai.OpenAI]) -> None:
     live, client = served
-    past = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "weather", "arguments": '{"city": "Rome"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]
-    text = rendered(live, messages=past, tools=[WEATHER])
+    text = rendered(live, messages=PAST_CALL, tools=[WEATHER])
     assert text.startswith('system: tools [{"type": "function", "function": {"name": "weather"')
     # The call's arguments reach the template as an object, not as JSON text.
     assert '<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}</tool_call>' in text
@@ -207,7 +208,7 @@ def test_auto_finds_hermes_blocks(served: tuple[Live, openai.OpenAI]) -> None:
 
 
 def test_content_is_held_only_where_a_call_may_start() -> None:
-    held = HeldContent()
+    held = HeldContent(HERMES)
     assert held.feed("Let me check. <to") == "Let me check. "
     assert held.feed("ol") == ""
     assert held.feed("s and more") == "<tools and more"  # not a tag after all
@@ -215,7 +216,7 @@ def test_content_is_held_only_where_a_call_may_start() -> None:
     assert held.feed(': "f"}</tool_call> after') == ""
     text = held.text
     assert held.rest(text) == ""  # the content before the block is all out
-    broken = HeldContent()
+    broken = HeldContent(HERMES)
     assert broken.feed("a<tool_call>not json") == "a"
     assert broken.rest(broken.text) == "<tool_call>not json"  # no call: all content
 

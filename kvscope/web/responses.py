@@ -1,0 +1,230 @@
+"""OpenAI's Responses API: `POST /v1/responses`, and `GET`, `DELETE` and
+`POST .../cancel` of a stored one, and its `input_items`.
+
+A response is one request of the engine, its prompt the model's chat template over
+the input (`responses_schemas.conversation`, after the conversation of
+`previous_response_id` and a system message of `instructions`). It is answered whole,
+streamed (`responses_format.ResponseEvents`; closing the stream cancels the request)
+or, with `background`, at once with its status `queued` or `in_progress`: then `GET`
+shows how it stands and `POST /v1/responses/{id}/cancel` cancels it. `DELETE
+/v1/responses/{id}` forgets a stored response and cancels its request if it still
+runs. The engine's request id is the `X-Request-Id` header, so `DELETE
+/requests/{id}` cancels any response, background or not.
+
+Refused with a 400 naming the field: `background` without `store` or with `stream`, a
+`text.format` beside a required or named `tool_choice`, a `json_schema` format
+without its schema, a `stream` query on `GET` (no resumed streams here), a cancel of
+a response not made in the background. A `previous_response_id` that is not stored
+(or is another key's) is a 404, one still running a 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from quart import Blueprint, current_app, request
+from quart.blueprints import BlueprintSetupState
+from quart_schema import document_request
+
+from kvscope import Job
+
+from .auth import current_owner
+from .chat import chat_prompt
+from .context import ServerContext, disconnect_reason, server
+from .errors import ApiError
+from .openai import read_openai_body
+from .openai_prompts import max_tokens
+from .openai_run import check_params
+from .openai_schemas import ChatMessage, ChatTemplateOptions
+from .response_ids import response_id
+from .response_store import ResponseStore, StoredResponse
+from .responses_format import ResponseEvents, ResponseView
+from .responses_schemas import ResponsesBody, conversation, input_items, listed_items
+from .sse import StreamBody, sse_response
+
+blueprint = Blueprint("responses", __name__, url_prefix="/v1")
+
+#: Where the app keeps its `ResponseStore`.
+STORE = "kvscope.responses"
+
+
+@blueprint.record_once
+def _open_store(state: BlueprintSetupState) -> None:
+    settings = state.app.extensions["kvscope"].settings
+    state.app.extensions[STORE] = ResponseStore(
+        settings.stored_responses, settings.stored_responses_bytes, settings.api_keys
+    )
+
+
+def _store() -> ResponseStore:
+    return current_app.extensions[STORE]  # type: ignore[no-any-return]
+
+
+@blueprint.post("/responses")
+@document_request(ResponsesBody)
+async def create_response() -> Any:
+    """A response to `input` (text or items): whole, streamed, or in the background."""
+    ctx = server()
+    body = await read_openai_body(ResponsesBody)
+    _check(body)
+    owner = current_owner()
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        previous = _store().get(body.previous_response_id, owner, param="previous_response_id")
+        history = previous.conversation()
+    items = input_items(body.input)
+    messages = history + conversation(items)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    plan = body.tool_plan.reading(ctx.tool_parser)
+    prompt = await chat_prompt(
+        ctx.engine,
+        [ChatMessage(**message) for message in system + messages],
+        ChatTemplateOptions.model_validate({}),
+        tools=plan.template_tools(),
+    )
+    limit = max_tokens(
+        ctx.engine, len(prompt), body.max_output_tokens, "input", param="max_output_tokens"
+    )
+    schema_field = "text" if body.text_format.type != "text" else "tools"
+    sampling = await check_params(ctx.engine, body.sampling(limit), schema_field)
+    sampling |= plan.sampling_overrides()
+    job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
+    model = ctx.engine.model_name
+    view = ResponseView(response_id(job.id), body, model, _shown(ctx, body), plan)
+    entry = StoredResponse(view, owner, messages, listed_items(items, view.id), job)
+    if body.store:
+        _store().add(entry)
+    headers = {"X-Request-Id": job.id}
+    if body.background:
+        return entry.current(), 200, headers
+    if body.stream:
+        return sse_response(StreamBody(ctx, _events(entry), cancel_ids=[job.id]), job.id)
+    try:
+        await job.wait()
+    finally:
+        if not job.done:
+            ctx.engine.cancel_nowait(job.id, reason=disconnect_reason())
+    return entry.current(), 200, headers
+
+
+def _check(body: ResponsesBody) -> None:
+    if body.background and not body.store:
+        raise ApiError(400, "background needs store: true", param="background")
+    if body.background and body.stream:
+        raise ApiError(
+            400, "a background response is not streamed here: GET it by id", param="stream"
+        )
+    fmt = body.text_format
+    if fmt.type == "json_schema" and fmt.schema_ is None:
+        raise ApiError(400, "a json_schema format needs schema", param="text.format.schema")
+    if body.tool_plan.guide() is not None and fmt.type != "text":
+        raise ApiError(
+            400,
+            "a required or named tool_choice constrains the output itself: give no "
+            "text.format with it",
+            param="tool_choice",
+        )
+
+
+def _shown(ctx: ServerContext, body: ResponsesBody) -> dict[str, Any]:
+    """The temperature and top_p it runs with: the body's, else the checkpoint's
+    generation defaults, else kvscope's."""
+    defaults = ctx.engine.loaded.generation_defaults
+    return {
+        name: getattr(body, name)
+        if name in body.model_fields_set
+        else defaults.get(name, getattr(body, name))
+        for name in ("temperature", "top_p")
+    }
+
+
+async def _events(entry: StoredResponse) -> AsyncGenerator[bytes, None]:
+    events = ResponseEvents(entry.view)
+    yield events.opening()
+    first = True
+    async for delta in entry.job:
+        if not delta.token_ids:
+            continue
+        out = events.feed(delta.text, first)
+        first = False
+        if out:
+            yield out
+    closing = events.closing(entry.job.result)
+    entry.answer = events.final
+    yield closing
+
+
+@blueprint.get("/responses/<response_id>")
+async def get_response(response_id: str) -> Any:
+    """A stored response as it stands."""
+    if request.args.get("stream", "false").lower() not in ("false", "0"):
+        raise ApiError(400, "a stored response is not streamed again here", param="stream")
+    return _store().get(response_id, current_owner()).current()
+
+
+#: `GET .../input_items`: the query it takes, and the most items a page holds.
+PAGE_QUERY = frozenset({"after", "limit", "order"})
+MAX_PAGE = 100
+
+
+@blueprint.get("/responses/<response_id>/input_items")
+async def list_input_items(response_id: str) -> Any:
+    """A stored response's input items, a page at a time (`limit`, 20 unless set, up
+    to 100; `order`, `desc` unless `asc`; `after` an item's id)."""
+    entry = _store().get(response_id, current_owner())
+    args = request.args
+    unknown = sorted(set(args) - PAGE_QUERY)
+    if unknown:
+        raise ApiError(400, f"{unknown[0]} is not supported by this server", param=unknown[0])
+    limit = args.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+        raise ApiError(400, f"limit must be 1-{MAX_PAGE}, not {limit!r}", param="limit")
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc, not {order!r}", param="order")
+    items = entry.items if order == "asc" else entry.items[::-1]
+    if "after" in args:
+        ids = [item["id"] for item in items]
+        if args["after"] not in ids:
+            raise ApiError(400, f"no input item {args['after']!r}", param="after")
+        items = items[ids.index(args["after"]) + 1 :]
+    page = items[: int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
+
+
+@blueprint.post("/responses/<response_id>/cancel")
+async def cancel_response(response_id: str) -> Any:
+    """Cancel a background response: its request ends and frees its blocks at once;
+    the answer is the response, `cancelled` (or as it ended, if it already had)."""
+    entry = _store().get(response_id, current_owner())
+    if not entry.view.body.background:
+        raise ApiError(
+            400,
+            "only a background response can be cancelled here; DELETE /requests/{id} "
+            "(its X-Request-Id) cancels any",
+            param="response_id",
+        )
+    await _cancel(entry.job)
+    return entry.current()
+
+
+@blueprint.delete("/responses/<response_id>")
+async def delete_response(response_id: str) -> Any:
+    """Forget a stored response; one still running is cancelled."""
+    store = _store()
+    entry = store.get(response_id, current_owner())
+    store.remove(response_id)
+    await _cancel(entry.job)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def _cancel(job: Job) -> None:
+    if not job.done:
+        await server().engine.cancel(job.id, reason="user", by=current_owner() or "api")

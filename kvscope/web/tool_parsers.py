@@ -1,0 +1,201 @@
+"""Reading tool calls out of what a model wrote, in the format it was trained on
+(vLLM's `--tool-call-parser`).
+
+* `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere
+  in the text (Qwen2.5, Qwen3, Hermes); the text before the first is the content.
+* `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (Mistral 7B
+  v0.3, Mixtral, Nemo), or `[TOOL_CALLS]name[ARGS]{...}` once per call (newer
+  tokenizers). Both markers are special tokens, so the request keeps special tokens in
+  its text (`keeps_special_tokens`), as vLLM does.
+* `llama3_json`: the whole message is one JSON call `{"name", "parameters"}` (or
+  several separated by `;`), after an optional `<|python_tag|>` (Llama 3.1-3.3).
+
+`auto` (the default) picks by the chat template: the one that shows `[TOOL_CALLS]` is
+Mistral's, the one that shows `<|python_tag|>` or `ipython` Llama 3's; otherwise
+Hermes. Each parser also tells a stream which text may still become a call
+(`held_from`), so `HeldContent` sends the content as it comes and holds back the rest.
+Text that does not parse as calls is the content, whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import attrs
+
+#: The parsers `--tool-call-parser` names (`auto` picks one of the others).
+PARSERS = ("auto", "hermes", "mistral", "llama3_json")
+
+Calls = list[dict[str, Any]]
+
+
+def tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    """A call as OpenAI shows it; its arguments as JSON text."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _named(value: Any, arguments_key: str = "arguments") -> dict[str, Any] | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return tool_call(value["name"], value.get(arguments_key, value.get("arguments", {})))
+
+
+def _tail_of(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+@attrs.frozen
+class ToolParser:
+    """One format: where its calls start in a text, and what they are."""
+
+    name: str
+    #: What opens a call (a tag a stream holds back once it comes).
+    tag: str
+    #: The format's markers are special tokens: the request keeps them in its text.
+    keeps_special_tokens: bool = False
+
+    def calls(self, text: str) -> tuple[int, Calls]:
+        """Where the calls begin in `text` (its end if none) and the calls; text that
+        does not parse as calls holds none."""
+        if self.name == "hermes":
+            return _hermes(text)
+        if self.name == "mistral":
+            return _mistral(text)
+        return _llama3_json(text)
+
+    def held_from(self, text: str, sent: int) -> int:
+        """Of `text`, of which `sent` characters went out as content: where what may
+        still become a call begins (the end of `text` if nothing may)."""
+        if self.name == "llama3_json":  # a call is the whole message, or none is
+            head = text.lstrip()
+            may = not head or head.startswith("{") or head.startswith(self.tag)
+            return 0 if sent == 0 and (may or self.tag.startswith(head)) else len(text)
+        at = text.find(self.tag, sent)
+        return at if at >= 0 else len(text) - _tail_of(text, self.tag)
+
+
+HERMES = ToolParser("hermes", "<tool_call>")
+MISTRAL = ToolParser("mistral", "[TOOL_CALLS]", keeps_special_tokens=True)
+LLAMA3_JSON = ToolParser("llama3_json", "<|python_tag|>")
+BY_NAME = {parser.name: parser for parser in (HERMES, MISTRAL, LLAMA3_JSON)}
+
+
+def parser_for(name: str, chat_template: str | None) -> ToolParser:
+    """The parser `name` (one of `PARSERS`); for `auto`, the one the template shows."""
+    if name != "auto":
+        return BY_NAME[name]
+    template = chat_template or ""
+    if MISTRAL.tag in template:
+        return MISTRAL
+    if LLAMA3_JSON.tag in template or "ipython" in template:
+        return LLAMA3_JSON
+    return HERMES
+
+
+#: vLLM's `hermes` format: one call per block, JSON inside.
+CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _hermes(text: str) -> tuple[int, Calls]:
+    calls, first = [], None
+    for match in CALL_BLOCK.finditer(text):
+        try:
+            call = _named(json.loads(match.group(1)))
+        except ValueError:
+            continue
+        if call is not None:
+            calls.append(call)
+            first = match.start() if first is None else first
+    return (len(text) if first is None else first), calls
+
+
+#: The newer Mistral format: `name[ARGS]{...}` after each `[TOOL_CALLS]`.
+MISTRAL_CALL = re.compile(r"\s*([A-Za-z0-9_.-]+)\[ARGS\](.*)", re.DOTALL)
+
+
+def _mistral(text: str) -> tuple[int, Calls]:
+    at = text.find(MISTRAL.tag)
+    if at < 0:
+        return len(text), []
+    pieces = [p for p in text[at:].split(MISTRAL.tag) if p.strip()]
+    calls: Calls = []
+    try:
+        if len(pieces) == 1 and pieces[0].lstrip().startswith("["):
+            listed = json.loads(pieces[0])
+            calls = [c for c in map(_named, listed if isinstance(listed, list) else []) if c]
+        else:
+            for piece in pieces:
+                match = MISTRAL_CALL.fullmatch(piece)
+                if match is None:
+                    return len(text), []
+                calls.append(tool_call(match.group(1), json.loads(match.group(2))))
+    except ValueError:
+        return len(text), []
+    return (at, calls) if calls else (len(text), [])
+
+
+def _llama3_json(text: str) -> tuple[int, Calls]:
+    body = text.strip().removeprefix(LLAMA3_JSON.tag).strip()
+    if not body.startswith("{"):
+        return len(text), []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return len(text), []
+        call = _named(value, "parameters")
+        if call is None:
+            return len(text), []
+        calls.append(call)
+        while at < len(body) and body[at] in " \n\t;":
+            at += 1
+    return 0, calls
+
+
+class HeldContent:
+    """(a streamed choice under `auto`) The content it can send as it comes: its text
+    up to where a call may begin, as its parser reads it."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of `text` sent
+        self.held = False  # a call may have begun: the rest waits for the end
+
+    def feed(self, text: str) -> str:
+        """Take more text; the part that can go out now."""
+        self.text += text
+        if self.held:
+            return ""
+        end = self.parser.held_from(self.text, self.sent)
+        if end < len(self.text) and self._opened(end):
+            self.held = True
+        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return piece
+
+    def _opened(self, end: int) -> bool:
+        """Whether a call has begun at `end` (not only a part of its tag)."""
+        rest = self.text[end:]
+        if self.parser.name == "llama3_json":
+            return bool(rest.strip()) and not self.parser.tag.startswith(rest.strip())
+        return rest.startswith(self.parser.tag)
+
+    def rest(self, text: str) -> str:
+        """At the end, with the whole `text`: the content still to send (up to the
+        first call, or all of it without one)."""
+        first, _calls = self.parser.calls(text)
+        return text[self.sent : first]
