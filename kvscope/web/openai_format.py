@@ -17,6 +17,7 @@ from typing import Any
 
 from kvscope import Completion, Engine
 from kvscope.kernels.sampling import TokenLogprobs
+from kvscope.models.tokenizer import Tokenizer
 
 from .openai_schemas import OpenAISampling
 from .sse import dumps, frame
@@ -114,16 +115,8 @@ class Choices:
         if not self.wanted or logprobs is None:
             return None
         if self.chat:
-            return {
-                "content": [
-                    {
-                        **self._entry(t, lp.logprob),
-                        "top_logprobs": [self._entry(*x) for x in lp.top],
-                    }
-                    for t, lp in zip(token_ids, logprobs, strict=True)
-                ],
-                "refusal": None,
-            }
+            content = token_entries(self.engine.tokenizer, token_ids, logprobs)
+            return {"content": content, "refusal": None}
         tokens = [self.token_text(t) for t in token_ids]
         return {
             "tokens": tokens,
@@ -142,9 +135,21 @@ class Choices:
             top[text if text not in top else f"token_id:{token}"] = value
         return top
 
-    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token)
+
+def token_entries(
+    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+) -> list[dict[str, Any]]:
+    """Chat's (and the Responses API's) log-probabilities of tokens: each one's text,
+    log-probability and UTF-8 bytes, and the same of its top alternatives."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token], skip_special_tokens=False)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [
+        {**entry(token, lp.logprob), "top_logprobs": [entry(*x) for x in lp.top]}
+        for token, lp in zip(token_ids, logprobs, strict=True)
+    ]
 
 
 def _offsets(lengths: list[int], start: int) -> list[int]:

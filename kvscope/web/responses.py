@@ -91,7 +91,9 @@ async def create_response() -> Any:
     sampling |= plan.sampling_overrides()
     job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
     model = ctx.engine.model_name
-    view = ResponseView(response_id(job.id), body, model, _shown(ctx, body), plan)
+    view = ResponseView(
+        response_id(job.id), body, model, _shown(ctx, body), plan, tokenizer=ctx.engine.tokenizer
+    )
     entry = StoredResponse(view, owner, messages, listed_items(items, view.id), job)
     if body.store:
         _store().add(entry)
@@ -115,6 +117,15 @@ def _check(body: ResponsesBody) -> None:
         raise ApiError(
             400, "a background response is not streamed here: GET it by id", param="stream"
         )
+    if body.top_logprobs is not None and body.logprobs_wanted is None:
+        raise ApiError(
+            400,
+            "top_logprobs needs include: [message.output_text.logprobs]",
+            param="top_logprobs",
+        )
+    if body.logprobs_wanted is not None and body.tool_plan.calls_tools:
+        # The text may become calls: no log-probabilities beside them, as on chat.
+        raise ApiError(400, "the output text's logprobs are not given with tools", param="include")
     fmt = body.text_format
     if fmt.type == "json_schema" and fmt.schema_ is None:
         raise ApiError(400, "a json_schema format needs schema", param="text.format.schema")
@@ -146,7 +157,7 @@ async def _events(entry: StoredResponse) -> AsyncGenerator[bytes, None]:
     async for delta in entry.job:
         if not delta.token_ids:
             continue
-        out = events.feed(delta.text, first)
+        out = events.feed(delta.text, first, delta.token_ids, delta.logprobs)
         first = False
         if out:
             yield out

@@ -19,12 +19,16 @@ goes out up to where a call may begin (`HeldContent`) and the calls come at the 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from kvscope import Completion
+from kvscope.kernels.sampling import TokenLogprobs
+from kvscope.models.tokenizer import Tokenizer
 
+from .openai_format import token_entries
 from .responses_schemas import ResponsesBody
 from .sse import dumps
 from .tools import ToolPlan
@@ -66,9 +70,12 @@ class ResponseView:
         model: str,
         shown: dict[str, Any],
         plan: ToolPlan | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,  # to show log-probabilities, if asked
     ) -> None:
         self.id = response_id
         self.body = body
+        self.tokenizer = tokenizer
         self.plan = plan or body.tool_plan  # read by the server's parser, as the route gives it
         self.created_at = int(time.time())
         choice = body.tool_choice
@@ -89,6 +96,7 @@ class ResponseView:
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
             "truncation": "disabled",
             "user": body.user,
+            "top_logprobs": body.top_logprobs,
             **shown,  # the sampling values it ran with (temperature, top_p)
         }
         if body.service_tier is not None:
@@ -124,14 +132,25 @@ class ResponseView:
             content = None
         return content, pairs, STATUS_OF_FINISH.get(reason, "completed")
 
-    def message_item(self, text: str, status: str) -> dict[str, Any]:
+    def message_item(
+        self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         return {
             "type": "message",
             "id": self.message_id,
             "status": status,
             "role": "assistant",
-            "content": [] if status == "in_progress" else [_text_part(text)],
+            "content": [] if status == "in_progress" else [_text_part(text, logprobs)],
         }
+
+    def logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
+    ) -> list[dict[str, Any]]:
+        """The tokens' log-probabilities as an output text shows them (none unless
+        asked)."""
+        if logprobs is None or self.tokenizer is None:
+            return []
+        return token_entries(self.tokenizer, token_ids, logprobs)
 
     def call_item(self, index: int, name: str, arguments: str, status: str) -> dict[str, Any]:
         item_id, call_id = self.call_ids(index)
@@ -148,7 +167,10 @@ class ResponseView:
         """The whole response once its request has ended."""
         content, calls, status = self.outcome(result)
         item_status = _item_status(status)
-        output = [self.message_item(content, item_status)] if content is not None else []
+        output = []
+        if content is not None:  # all of the text, when no call was read out of it
+            logprobs = self.logprobs(result.token_ids, result.logprobs)
+            output.append(self.message_item(content, item_status, logprobs))
         output += [
             self.call_item(i, name, arguments, item_status)
             for i, (name, arguments) in enumerate(calls)
@@ -168,8 +190,8 @@ def _item_status(status: str) -> str:
     return "completed" if status == "completed" else "incomplete"
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 class ResponseEvents:
@@ -181,6 +203,7 @@ class ResponseEvents:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items opened so far
         self.text = ""  # the message's text sent so far
+        self.logprobs: list[dict[str, Any]] = []  # and its tokens' log-probabilities
         self.message: int | None = None  # the message's output index, once opened
         self.held = self.plan.held_content() if self.plan.mode == "auto" else None
         self.arguments: int | None = None  # a named function's output index
@@ -197,11 +220,22 @@ class ResponseEvents:
             "response.in_progress", response=snapshot
         )
 
-    def feed(self, text: str, first: bool) -> bytes:
-        """The events for more of the output's text (`first`: its first token's)."""
+    def feed(
+        self,
+        text: str,
+        first: bool,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[TokenLogprobs] | None = None,
+    ) -> bytes:
+        """The events for more of the output: its text (`first`: its first token's),
+        and its tokens' log-probabilities where asked (no tools, so the text is all
+        the message's)."""
         mode = self.plan.mode
-        if mode in ("none", "auto"):
-            return self._message_text(self.held.feed(text) if self.held is not None else text)
+        if mode == "none":
+            return self._message_text(text, self.view.logprobs(token_ids, logprobs or None))
+        if mode == "auto":
+            assert self.held is not None
+            return self._message_text(self.held.feed(text))
         if mode == "function" and (text or first):
             return self._arguments(text)
         return b""  # required: the calls come whole at the end
@@ -251,9 +285,9 @@ class ResponseEvents:
         item["arguments"] = arguments
         return out + self._arguments_done(index, status)
 
-    def _message_text(self, piece: str) -> bytes:
+    def _message_text(self, piece: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         """A delta of the message's text, the message opened first if it is not."""
-        if not piece:
+        if not piece and not logprobs:
             return b""
         out = b""
         if self.message is None:
@@ -269,13 +303,14 @@ class ResponseEvents:
                 part=_text_part(""),
             )
         self.text += piece
+        self.logprobs += logprobs or []
         return out + self.event(
             "response.output_text.delta",
             item_id=self.view.message_id,
             output_index=self.message,
             content_index=0,
             delta=piece,
-            logprobs=[],
+            logprobs=logprobs or [],
         )
 
     def _message_done(self, status: str) -> bytes:
@@ -287,16 +322,16 @@ class ResponseEvents:
             output_index=index,
             content_index=0,
             text=self.text,
-            logprobs=[],
+            logprobs=self.logprobs,
         )
         done += self.event(
             "response.content_part.done",
             item_id=item_id,
             output_index=index,
             content_index=0,
-            part=_text_part(self.text),
+            part=_text_part(self.text, self.logprobs),
         )
-        item = self.view.message_item(self.text, status)
+        item = self.view.message_item(self.text, status, self.logprobs)
         self.items[index] = item
         return done + self.event("response.output_item.done", output_index=index, item=item)
 

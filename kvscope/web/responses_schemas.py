@@ -144,6 +144,12 @@ class ResponsesBody(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled"] | None = Field(None, description="only disabled")
+    include: list[Literal["message.output_text.logprobs"]] | None = Field(
+        None, description="the output text's log-probabilities"
+    )
+    top_logprobs: int | None = sampling_field(
+        "logprobs", None, description="alternatives per token; needs include"
+    )
     # No effect on the output: accepted, and shown in the response.
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -174,6 +180,13 @@ class ResponsesBody(BaseModel):
         return ToolPlan.of(tools, choice, self.parallel_tool_calls)
 
     @property
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives per token to report (None: no log-probabilities)."""
+        if "message.output_text.logprobs" not in (self.include or ()):
+            return None
+        return self.top_logprobs or 0
+
+    @property
     def text_format(self) -> TextFormat:
         return self.text.format if self.text is not None else PLAIN_TEXT
 
@@ -185,6 +198,7 @@ class ResponsesBody(BaseModel):
             **set_by_client(self, GENERATION_DEFAULTED),
             "repetition_penalty": self.repetition_penalty,
             "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs_wanted,
         }
         if self.seed is not None:
             params["seed"] = self.seed

@@ -384,7 +384,6 @@ def test_function_tools_and_text_formats_constrain_the_output(
 
 
 BAD = [
-    ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"truncation": "auto"}, 400, "truncation"),
     ({"background": True, "store": False}, 400, "background"),
     ({"background": True, "stream": True}, 400, "stream"),
@@ -611,5 +610,55 @@ def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(
             ({"include": "x"}, "include"),
         ):
             refused = http.get(f"/v1/responses/{answer.id}/input_items", params=query)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    wait_clean(live)
+
+
+def assert_alike(entries: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    """The same tokens and alternatives, their log-probabilities equal up to the float
+    noise of a batch or a prefix-cache hit (a few 1e-6)."""
+
+    def tokens(entry: dict[str, Any]) -> list[str]:
+        return [entry["token"], *(top["token"] for top in entry["top_logprobs"])]
+
+    def values(entry: dict[str, Any]) -> list[float]:
+        return [entry["logprob"], *(top["logprob"] for top in entry["top_logprobs"])]
+
+    assert list(map(tokens, entries)) == list(map(tokens, expected))
+    flat = [v for entry in entries for v in values(entry)]
+    assert flat == pytest.approx([v for entry in expected for v in values(entry)], abs=1e-4)
+
+
+def test_the_output_texts_logprobs_are_chats(served: tuple[Live, openai.OpenAI, str]) -> None:
+    live, client, model = served
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    answer = client.responses.create(model=model, input=ASK, max_output_tokens=6, **asked, **GREEDY)  # type: ignore[call-overload]
+    same = chat(
+        client,
+        model,
+        [{"role": "user", "content": ASK}],
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
+    expected = [entry.model_dump() for entry in same.choices[0].logprobs.content]
+    [part] = answer.output[0].content  # type: ignore[union-attr]
+    assert_alike([entry.model_dump() for entry in part.logprobs], expected)  # type: ignore[union-attr]
+    assert answer.top_logprobs == 2 and len(expected) == answer.usage.output_tokens  # type: ignore[union-attr]
+    with live.client() as http:
+        body = {"model": model, "input": ASK, "max_output_tokens": 6, "stream": True}
+        with http.stream("POST", "/v1/responses", json={**body, **asked, **GREEDY}) as stream:
+            data = parsed_events(b"".join(f"{line}\n".encode() for line in stream.iter_lines()))
+        streamed = [e for e in data if e["type"] == "response.output_text.delta"]
+        assert_alike([entry for e in streamed for entry in e["logprobs"]], expected)
+        done = next(e for e in data if e["type"] == "response.output_text.done")
+        assert_alike(done["logprobs"], expected)
+        for extra, param in (
+            ({"top_logprobs": 2}, "top_logprobs"),
+            ({**asked, "tools": [WEATHER]}, "include"),
+            ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+        ):
+            refused = http.post("/v1/responses", json={"model": model, "input": ASK, **extra})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     wait_clean(live)
