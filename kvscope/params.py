@@ -213,8 +213,8 @@ class SamplingParams:
     #: vLLM's: special tokens (EOS, chat markers) show no text; False shows theirs.
     skip_special_tokens: bool = attrs.field(default=True, validator=v.instance_of(bool))
     # What OpenAI and vLLM add (kernels/sampling.py applies them, in vLLM's order:
-    # allowed_token_ids, bias, min_tokens, then the penalties, before temperature,
-    # min_p, top-k and top-p).
+    # allowed_token_ids, bias, min_tokens, the penalties, then bad_words, before
+    # temperature, min_p, top-k and top-p).
     #: Log-probabilities of each chosen token and of the `logprobs` most likely
     #: alternatives (0: the chosen token's only); None: none.
     logprobs: int | None = _bounded(None, Bound(0, MAX_LOGPROBS, integer=True), optional=True)
@@ -232,6 +232,11 @@ class SamplingParams:
     #: End-of-sequence and stop token ids are banned until this many tokens are out.
     min_tokens: int = _bounded(0, Bound(0, INT32, integer=True))
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    #: vLLM's: words the output may not hold. The token that would complete one (as
+    #: the word is spelled at the text's start, or after a space) is banned.
+    bad_words: tuple[str, ...] = attrs.field(
+        default=(), converter=_strings, validator=_stop_strings
+    )
     #: vLLM's: only these tokens may be drawn (None: any).
     allowed_token_ids: tuple[int, ...] | None = attrs.field(
         default=None,
@@ -269,12 +274,14 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Any penalty or `min_tokens` set: sampling needs the tokens seen so far."""
+        """Any penalty, `min_tokens` or `bad_words` set: sampling needs the tokens
+        seen so far."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
+            or bool(self.bad_words)
         )
 
     @property

@@ -122,7 +122,11 @@ class RequestState:
         self.sampling: RowState | None = None
         if params.penalized or guide is not None:
             self.sampling = RowState(
-                self.seq.tokens, self.num_prompt_tokens, frozenset(self._stop_ids), guide
+                self.seq.tokens,
+                self.num_prompt_tokens,
+                frozenset(self._stop_ids),
+                guide,
+                bad_word_ids(tokenizer, params.bad_words),
             )
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         #: With `prompt_logprobs`: one per prompt token, None for the first (nothing
@@ -393,3 +397,16 @@ class RequestState:
             created=self.created_wall,
             error=self.error,
         )
+
+
+def bad_word_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of `bad_words`, as vLLM spells them: each word as at the
+    text's start, and after a space where that is other tokens of the same count."""
+    sequences = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(sequence for sequence in sequences if sequence)

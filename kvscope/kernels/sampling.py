@@ -2,7 +2,7 @@
 
 The order is vLLM's: `allowed_token_ids` bans every other token, `logit_bias` is added,
 `min_tokens` bans the stop tokens, the repetition, frequency and presence penalties are
-applied, a grammar's mask (structured output) removes what it forbids; then greedy rows
+applied, `bad_words` bans the token that would complete one, a grammar's mask (structured output) removes what it forbids; then greedy rows
 are one batched `argmax` and the others apply temperature, min-p, top-k and top-p and
 draw (`_inverse_cdf`) with the request's own `torch.Generator`, so a seeded request
 gives the same tokens whatever else shares its batch. Each processor works on the whole
@@ -74,6 +74,8 @@ class RowState:
     num_prompt: int
     stop_ids: frozenset[int]
     guide: Guide | None = None
+    #: The token sequences of its `bad_words` (`bad_word_ids`).
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # `tokens` as a tensor, grown by the new tokens only (the worker's, for penalties).
     _tensor: torch.Tensor = attrs.field(
         init=False, factory=lambda: torch.empty(0, dtype=torch.long)
@@ -134,8 +136,8 @@ def sample(
 def process(
     logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[RowState | None]
 ) -> torch.Tensor:
-    """Apply `allowed_token_ids`, `logit_bias`, `min_tokens` and the penalties to
-    `logits` in place."""
+    """Apply `allowed_token_ids`, `logit_bias`, `min_tokens`, the penalties and
+    `bad_words` to `logits` in place."""
     device = logits.device
     for row, p in enumerate(params):
         if p.allowed_token_ids is not None:
@@ -168,7 +170,29 @@ def process(
     ]
     if penalized:
         _penalize(logits, penalized, params, states)
+    rows, cols = [], []
+    for row, state in enumerate(states):
+        if state is not None and state.bad_words:
+            completing = _completing(state.bad_words, state.tokens, state.num_output)
+            rows.extend([row] * len(completing))
+            cols.extend(completing)
+    if rows:
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
     return logits
+
+
+def _completing(
+    sequences: tuple[tuple[int, ...], ...], tokens: list[int], num_output: int
+) -> list[int]:
+    """The tokens that would complete one of `sequences` after `tokens`, of which the
+    last `num_output` are the output (vLLM's rule: a sequence begun in the prompt does
+    not count)."""
+    banned = []
+    for sequence in sequences:
+        head = len(sequence) - 1
+        if head == 0 or (num_output >= head and tokens[-head:] == list(sequence[:head])):
+            banned.append(sequence[-1])
+    return banned
 
 
 def _penalize(

@@ -99,6 +99,7 @@ class OpenAISampling(BaseModel):
     skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these")
+    bad_words: list[str] | None = Field(None, description="vLLM's: words the output may not hold")
     min_tokens: int = sampling_field("min_tokens")
     repetition_penalty: float = sampling_field("repetition_penalty")
     truncate_prompt_tokens: int | None = Field(
@@ -142,6 +143,7 @@ class OpenAISampling(BaseModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
             "seed": self.seed,
             "logit_bias": self.logit_bias,
             "guided_json": self.guided_json,

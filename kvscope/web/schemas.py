@@ -60,6 +60,7 @@ class Sampling(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these")
+    bad_words: list[str] | None = Field(None, description="vLLM's: words the output may not hold")
     ignore_eos: bool = SamplingParams.default("ignore_eos")
     include_stop_str_in_output: bool = SamplingParams.default("include_stop_str_in_output")
     skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")

@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from kvscope import Engine, InvalidRequest, SamplingParams
+from kvscope.actors.request import bad_word_ids
 from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -168,3 +169,23 @@ async def test_a_long_prompt_is_scored_alike_in_one_step_and_in_chunks():
         async with open_engine(max_num_batched_tokens=budget) as engine:
             scores.append(await prompt_scores(engine, prompt))
     assert len(scores[0]) == 600 and scores[0][1:] == pytest.approx(scores[1][1:], abs=1e-4)
+
+
+async def test_bad_words_keep_a_word_the_model_writes_out_of_its_output() -> None:
+    async with open_engine("bundled") as engine:
+        prompt = "def fibonacci(n):"
+        before = await engine.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
+        pieces = [engine.tokenizer.decode([t]) for t in before.token_ids]
+        word = next(p.strip() for p in pieces if p.strip().isalpha() and len(p.strip()) > 1)
+        sequences = bad_word_ids(engine.tokenizer, (word,))
+        assert any(_holds(before.token_ids, s) for s in sequences)
+        after = await engine.generate(
+            prompt, max_tokens=24, temperature=0, ignore_eos=True, bad_words=[word]
+        )
+        assert not any(_holds(after.token_ids, s) for s in sequences)
+        assert after.token_ids != before.token_ids
+
+
+def _holds(tokens: tuple[int, ...], sequence: tuple[int, ...]) -> bool:
+    n = len(sequence)
+    return any(tokens[i : i + n] == sequence for i in range(len(tokens) - n + 1))

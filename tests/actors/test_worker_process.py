@@ -46,7 +46,18 @@ async def outputs(engine: Engine) -> list[tuple[int, ...]]:
     greedy = await engine.generate("the same prompt", max_tokens=24, temperature=0)
     seeded = await engine.generate("the same prompt", max_tokens=24, temperature=1.0, seed=11)
     unseeded = await engine.generate("another prompt", max_tokens=24, temperature=0.8)
-    return [greedy.token_ids, seeded.token_ids, unseeded.token_ids]
+    # What sampling reads of the request's tokens crosses too (penalties, bad words:
+    # a letter the greedy output holds, one byte token of the tiny model's).
+    letter = next(chr(t) for t in greedy.token_ids if chr(t).isascii() and chr(t).isalpha())
+    processed = await engine.generate(
+        "the same prompt",
+        max_tokens=24,
+        temperature=0,
+        presence_penalty=0.5,
+        bad_words=[letter],
+    )
+    assert ord(letter) not in processed.token_ids
+    return [greedy.token_ids, seeded.token_ids, unseeded.token_ids, processed.token_ids]
 
 
 async def test_the_worker_gives_the_same_tokens_as_the_thread():

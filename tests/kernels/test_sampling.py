@@ -239,3 +239,23 @@ def test_min_p_drops_what_is_less_likely_than_its_share_of_the_best() -> None:
     with pytest.raises(ValueError) as caught:
         SamplingParams(min_p=1.5)
     assert field_of(caught.value) == "min_p"
+
+
+def test_bad_words_ban_the_token_that_would_complete_one() -> None:
+    """A one-token word is never drawn; a longer one's last token only right after the
+    rest of it in the output (vLLM's rule: a start in the prompt does not count)."""
+    logits = torch.tensor([[0.0, 1.0, 0.0, 5.0, 4.0]])
+    params = [SamplingParams(**GREEDY, bad_words=["w"])]
+
+    def drawn(tokens: list[int], num_prompt: int, words: tuple[tuple[int, ...], ...]) -> int | None:
+        state = RowState(tokens, num_prompt, frozenset(), bad_words=words)
+        return sample(logits, params, [None], [state])[0].token
+
+    assert drawn([1, 2], 1, ((3,),)) == 4  # a one-token word: always banned
+    assert drawn([1, 2], 1, ((2, 3),)) == 4  # 2 then 3 is the word: 3 is banned
+    assert drawn([1, 2], 1, ((1, 3),)) == 3  # 1 is not the last output token
+    assert drawn([2], 1, ((2, 3),)) == 3  # its start is in the prompt
+    assert drawn([1, 2, 4], 1, ((2, 4, 3), (4,))) == 1  # both complete here
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(bad_words=[""])
+    assert field_of(caught.value) == "bad_words"

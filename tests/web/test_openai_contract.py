@@ -320,3 +320,29 @@ def test_allowed_token_ids_bound_the_output(live: Live, client: openai.OpenAI) -
     )
     assert "vocabulary" in body["message"]
     wait_clean(live)
+
+
+def test_bad_words_stay_out_of_the_output(live: Live, client: openai.OpenAI) -> None:
+    """Of two letters the only ones allowed, `bad_words` bans one (the tiny model's
+    tokens are bytes, so each letter is a one-token word); the route names the field
+    of a bad list."""
+    allowed = {"allowed_token_ids": [ord(c) for c in "ab"], "ignore_eos": True}
+    for create in (
+        lambda **kw: client.completions.create(model=MODEL, prompt="x", **kw).choices[0].text,
+        lambda **kw: (
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], **kw
+            )
+            .choices[0]
+            .message.content
+        ),
+    ):
+        text = create(max_tokens=8, temperature=1.0, extra_body={**allowed, "bad_words": ["a"]})
+        assert text == "b" * 8
+    refused(
+        lambda: client.completions.create(
+            model=MODEL, prompt="x", max_tokens=1, extra_body={"bad_words": [""]}
+        ),
+        "bad_words",
+    )
+    wait_clean(live)
