@@ -26,17 +26,6 @@ RESERVED_VARIABLES = frozenset(
 )
 
 
-def _text(content: str | list[dict[str, Any]] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise InvalidRequest("only text content parts are supported")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
 async def chat_prompt(
     engine: Engine,
     messages: list[ChatMessage],
@@ -80,7 +69,7 @@ def _plain(message: ChatMessage) -> dict[str, Any]:
     """A message as the template reads it: its text, and the arguments of the tool
     calls an assistant message made as objects (templates format them; the API sends
     them as JSON text), as vLLM passes them."""
-    plain = {**message.model_dump(exclude_none=True), "content": _text(message.content)}
+    plain = {**message.model_dump(exclude_none=True), "content": message.text}
     calls = plain.get("tool_calls")
     if isinstance(calls, list):
         plain["tool_calls"] = [_parsed_arguments(call) for call in calls]

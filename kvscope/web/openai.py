@@ -91,7 +91,8 @@ async def chat_completions() -> Any:
     """OpenAI chat completions; the prompt is the model's chat template over `messages`.
     Honours `n`, `stream`, `logprobs` / `top_logprobs`, the penalties, `logit_bias`,
     `seed`, `stop`, `response_format` (`json_object`, `json_schema`: constrained
-    decoding) and `tools` with `tool_choice` (`tools.py`)."""
+    decoding), `tools` with `tool_choice` (`tools.py`) and vLLM's `echo` (the answer
+    begins with the last message, when it is the assistant's)."""
     ctx = server()
     body = await _read(ChatBody)
     if body.top_logprobs is not None and not body.logprobs:
@@ -106,6 +107,8 @@ async def chat_completions() -> Any:
             "response_format or guided_* with it",
             param="tool_choice",
         )
+    if tools.calls_tools and body.echo:
+        raise ApiError(400, "echo is not given with tools", param="echo")
     if tools.calls_tools and body.stream and body.logprobs:
         # A stream's choice that may call a tool sends its text as content up to a call
         # or as arguments, and the calls at its end; no log-probabilities beside them.

@@ -41,11 +41,17 @@ class Choices:
         self.chat = chat
         self.n = body.n
         self.prompts = prompts  # choice i is prompts[i // n]'s
-        echo = getattr(body, "echo", False)  # completions only
-        self.echo = [engine.tokenizer.decode(ids) for ids in prompts] if echo else None
+        echo = getattr(body, "echo", False)
+        #: What each prompt's answers begin with: the prompt (completions), or the last
+        #: message when it is the assistant's own (chat, vLLM's `echo`).
+        self.echo: list[str] | None = None
+        if echo and not chat:
+            self.echo = [engine.tokenizer.decode(ids) for ids in prompts]
+        elif (echoed := getattr(body, "echoed", None)) is not None:
+            self.echo = [echoed]
         self.wanted = body.logprobs_wanted is not None
         #: The echoed prompts' log-probabilities come before the completions'.
-        self.scores_echo = echo and self.wanted
+        self.scores_echo = echo and self.wanted and not chat
 
     def prefix(self, index: int) -> str:
         """The echoed prompt of choice `index` (completions with `echo`)."""

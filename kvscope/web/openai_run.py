@@ -167,7 +167,7 @@ async def stream_chunks(
     # come with the sample's first token (or its end).
     echo_later = set(range(len(jobs))) if view.scores_echo else set()
     opening = [
-        framed(i, fmt.chunk(i, "", None, role=True) if chat else fmt.chunk(i, view.prefix(i), None))
+        framed(i, fmt.chunk(i, view.prefix(i), None, role=chat))
         for i in range(len(jobs))
         if (chat or view.prefix(i)) and i not in echo_later
     ]

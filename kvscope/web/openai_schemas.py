@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvscope import InvalidRequest
 from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
@@ -204,6 +205,20 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @property
+    def text(self) -> str:
+        """Its content as text: a list of parts keeps its text parts (any other part is
+        refused, `InvalidRequest`)."""
+        content = self.content
+        if content is None or isinstance(content, str):
+            return content or ""
+        parts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
 
 class ChatTemplateOptions(BaseModel):
     """vLLM's options for rendering a chat (`/v1/chat/completions`, `/tokenize`)."""
@@ -221,6 +236,9 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = Field(
+        False, description="vLLM's: the answer begins with the last message, the assistant's"
+    )
     max_completion_tokens: int | None = sampling_field("max_tokens", None)
     logprobs: bool = False
     top_logprobs: int | None = sampling_field("logprobs", description="needs logprobs")
@@ -231,6 +249,13 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
     @property
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def echoed(self) -> str | None:
+        """What each answer begins with under `echo`: the last message, when it is the
+        assistant's (vLLM's rule: the new message continues it)."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else None
 
     @cached_property
     def tool_plan(self) -> ToolPlan:

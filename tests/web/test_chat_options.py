@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Live, bundled_with_template, running_server
+from .conftest import Live, bundled_with_template, running_server, sse_events
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -84,3 +84,35 @@ def test_what_cannot_hold_is_refused_by_name(served: Live) -> None:
                 response = http.post(path, json={**body, "max_tokens": 1} if "v1" in path else body)
                 assert response.status_code == 400, (path, body, response.text)
                 assert response.json()["error"]["param"] == param, response.text
+
+
+def test_echo_begins_the_answer_with_the_assistants_last_message(served: Live) -> None:
+    """vLLM's `echo` on chat: continuing the assistant's message, the answer holds it
+    first, whole and streamed; after a user's message there is nothing to echo."""
+    started = [*USER, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": started, "continue_final_message": True, "max_tokens": 6}
+    greedy = {"temperature": 0, "ignore_eos": True}
+    with served.client() as http:
+        plain = http.post("/v1/chat/completions", json={**body, **greedy}).json()
+        echoed = http.post("/v1/chat/completions", json={**body, **greedy, "echo": True}).json()
+        generated = plain["choices"][0]["message"]["content"]
+        assert echoed["choices"][0]["message"]["content"] == "The answer is" + generated
+        assert echoed["usage"] == plain["usage"]  # the echo is no output token
+        stream = http.post(
+            "/v1/chat/completions", json={**body, **greedy, "echo": True, "stream": True}
+        )
+        chunks = [e for e in sse_events(stream.text.splitlines()) if e != "[DONE]"]
+        first = chunks[0]["choices"][0]["delta"]
+        assert first == {"role": "assistant", "content": "The answer is"}
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert text == "The answer is" + generated
+        after_user = http.post(
+            "/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "echo": True, **greedy}
+        ).json()
+        alone = http.post(
+            "/v1/chat/completions", json={"messages": USER, "max_tokens": 3, **greedy}
+        ).json()
+        assert after_user["choices"][0]["message"] == alone["choices"][0]["message"]
+        tool = {"type": "function", "function": {"name": "f"}}
+        refused = http.post("/v1/chat/completions", json={**body, "echo": True, "tools": [tool]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
