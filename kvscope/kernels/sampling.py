@@ -2,8 +2,9 @@
 
 The order is vLLM's: `allowed_token_ids` bans every other token, `logit_bias` is added,
 `min_tokens` bans the stop tokens, the repetition, frequency and presence penalties are
-applied, `bad_words` bans the token that would complete one, a grammar's mask (structured output) removes what it forbids; then greedy rows
-are one batched `argmax` and the others apply temperature, min-p, top-k and top-p and
+applied, `bad_words` bans the token that would complete one, a grammar's mask
+(structured output) removes what it forbids; then greedy rows are one batched
+`argmax` and the others apply temperature, min-p, top-k and top-p and
 draw (`_inverse_cdf`) with the request's own `torch.Generator`, so a seeded request
 gives the same tokens whatever else shares its batch. Each processor works on the whole
 `[rows, vocab]` tensor at once (index lists built from the rows that asked for it), and

@@ -1,14 +1,14 @@
 """The app factory: one Quart app (asyncio) or QuartTrio app (trio) over an open Engine.
 
 `create_app(engine, settings)` wires the blueprints (native jobs, streaming,
-WebSocket, OpenAI-compatible, observability, dashboard), the JSON error handlers, API
-keys, quart-schema's OpenAPI document at `/openapi.json`, and the body size cap; the
-`BodyGuard` in front of it refuses an unauthenticated or oversized request from its
-headers alone, before any of its body is read, and `FastPath` behind the guard
-answers `DELETE /requests/{id}`, `GET /stats` and `GET /health` without Quart. A
-POST waits for its admission turn (`ServerContext.admission_turn`) before its route
-runs. The app does not own the engine: `server.Server` opens the engine, then serves
-this app on hypercorn inside it, so the engine outlives every connection.
+WebSocket, OpenAI-compatible, the Responses API, observability, dashboard), the JSON
+error handlers, API keys, quart-schema's OpenAPI document at `/openapi.json`, and the
+body size cap; the `BodyGuard` in front of it refuses an unauthenticated or oversized
+request from its headers alone, before any of its body is read, and `FastPath` behind
+the guard answers `DELETE /requests/{id}`, `GET /stats` and `GET /health` without
+Quart. A POST waits for its admission turn (`ServerContext.admission_turn`) before its
+route runs. The app does not own the engine: `server.Server` opens the engine, then
+serves this app on hypercorn inside it, so the engine outlives every connection.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def create_app(
     app.before_request(_admission_turn)
     context = app.extensions["kvscope"]
     app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
-    for module in (jobs, streaming, websocket, openai, responses, tokens, observability, dashboard):
+    routes = (jobs, streaming, websocket, openai, responses, tokens, observability, dashboard)
+    for module in routes:
         app.register_blueprint(module.blueprint)
     return app
 

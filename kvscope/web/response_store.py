@@ -3,12 +3,12 @@ of a background one, and for `previous_response_id`.
 
 A `StoredResponse` holds its view, its caller's key, the conversation its prompt was
 rendered from (without `instructions`, which a continuation does not inherit, as
-OpenAI's rule is), its own input items and its engine `Job`; its final snapshot is made once, when its
-request has ended (by whoever looks first, or by its stream). The store keeps the
-newest, in memory, within `ServerSettings.stored_responses` and
+OpenAI's rule is), its own input items and its engine `Job`; its final snapshot is
+made once, when its request has ended (by whoever looks first, or by its stream). The
+store keeps the newest, in memory, within `ServerSettings.stored_responses` and
 `stored_responses_bytes`: they do not outlive the server, and under Ray Serve each
-replica stores its own (a response's id names its replica, so calls reach it). A key sees only its own
-responses; another key's id answers 404, as for requests.
+replica stores its own (a response's id names its replica, so calls reach it). A key
+sees only its own responses; another key's id answers 404, as for requests.
 """
 
 from __future__ import annotations

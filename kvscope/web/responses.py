@@ -11,7 +11,8 @@ shows how it stands and `POST /v1/responses/{id}/cancel` cancels it. `DELETE
 runs. The engine's request id is the `X-Request-Id` header, so `DELETE
 /requests/{id}` cancels any response, background or not.
 
-Refused with a 400 naming the field: `background` without `store` or with `stream`, a
+Refused with a 400 naming the field: an empty `input`, `background` without `store` or
+with `stream`, a
 `text.format` beside a required or named `tool_choice`, a `json_schema` format
 without its schema, a `stream` query on `GET` (no resumed streams here), a cancel of
 a response not made in the background. A `previous_response_id` that is not stored
@@ -111,6 +112,8 @@ async def create_response() -> Any:
 
 
 def _check(body: ResponsesBody) -> None:
+    if not body.input:
+        raise ApiError(400, "the input is empty", param="input")
     if body.background and not body.store:
         raise ApiError(400, "background needs store: true", param="background")
     if body.background and body.stream:

@@ -384,6 +384,8 @@ def test_function_tools_and_text_formats_constrain_the_output(
 
 
 BAD = [
+    ({"input": []}, 400, "input"),
+    ({"input": ""}, 400, "input"),
     ({"truncation": "auto"}, 400, "truncation"),
     ({"background": True, "store": False}, 400, "background"),
     ({"background": True, "stream": True}, 400, "stream"),
