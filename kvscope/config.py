@@ -103,6 +103,14 @@ class EngineConfig:
         if value not in ("auto", "all"):
             listed_cores(value, allowed_cores())
 
+    #: The name the model is served as (the OpenAI routes' `model`, `/v1/models`);
+    #: None: its own (`bundled`, `tiny-random`, the checkpoint directory's name).
+    served_model_name: str | None = attrs.field(
+        default=None, validator=v.optional(v.matches_re(r"\S(.*\S)?"))
+    )
+    #: A Jinja chat template, or a file holding one, used in place of the checkpoint's
+    #: (for a base model that has none, or to change it).
+    chat_template: str | None = None
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0
     #: What every generated request id starts with; a replica puts its own name in it

@@ -23,6 +23,8 @@ from kvscope.config import EngineConfig
 
 #: Fields the model-loading options cover, besides the `EngineConfig` ones.
 MODEL_OPTIONS = ("model", "device", "dtype")
+#: The model a command runs unless told: the one inside the package.
+DEFAULT_MODEL = "bundled"
 
 
 def field_help() -> dict[str, str]:
@@ -57,7 +59,9 @@ def add_engine_arguments(
     default for a field: name -> (the value, what the help says it is)."""
     group = parser.add_argument_group("model and engine")
     group.add_argument(
-        "--model", default="bundled", help="bundled | tiny-random | a Hugging Face checkpoint dir"
+        "--model",
+        default=None,
+        help=f"bundled | tiny-random | a Hugging Face checkpoint dir (default: {DEFAULT_MODEL})",
     )
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -85,4 +89,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The `Engine.open` keyword arguments that `add_engine_arguments` parsed; a bad
     value raises `ValueError` naming the field."""
     config = EngineConfig(**{f.name: getattr(args, f.name) for f in attrs.fields(EngineConfig)})
-    return {name: getattr(args, name) for name in MODEL_OPTIONS} | attrs.asdict(config)
+    model = {name: getattr(args, name) for name in MODEL_OPTIONS}
+    return model | {"model": args.model or DEFAULT_MODEL} | attrs.asdict(config)

@@ -18,7 +18,7 @@ from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.device import select_device
-from kvscope.models.loader import LoadedModel, load_model
+from kvscope.models.loader import LoadedModel, load_model, served_as
 from kvscope.models.runner import ModelRunner
 from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
 from kvscope.scheduling import allowed_cores, model_cores
@@ -47,6 +47,9 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
         torch.set_num_threads(engine_config.model_threads)
     loaded = await anyio.to_thread.run_sync(
         lambda: load_model(model, device=torch_device, dtype=dtype, seed=engine_config.seed)
+    )
+    loaded = served_as(
+        loaded, name=engine_config.served_model_name, chat_template=engine_config.chat_template
     )
     worker = None
     if engine_config.worker == "process":

@@ -226,6 +226,22 @@ def special_tokens(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
     return tokens
 
 
+def given_chat_template(value: str) -> str:
+    """A chat template given in place of a checkpoint's (`EngineConfig.chat_template`):
+    the template itself, or the path of a file holding one (text with no `{`, as vLLM's
+    `--chat-template` takes either). Checked to compile."""
+    if "{" not in value:
+        path = Path(value)
+        if not path.is_file():
+            raise ModelLoadError(f"chat_template: no template and no file {value!r}")
+        value = path.read_text(encoding="utf-8")
+    try:
+        compile_template(value)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ModelLoadError(f"chat_template does not compile: {exc}") from None
+    return value
+
+
 def read_chat_template(directory: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
     """The checkpoint's chat template: `chat_template.jinja` if present (where
     transformers 5 saves it), else `tokenizer_config.json`'s `chat_template` (a string,

@@ -23,7 +23,13 @@ __all__ = ["ARCHITECTURES", "LoadedModel", "ModelLoadError", "load_model"]
 import attrs
 import torch
 
-from .chat import ChatTemplateError, read_chat_template, render_chat, special_tokens
+from .chat import (
+    ChatTemplateError,
+    given_chat_template,
+    read_chat_template,
+    render_chat,
+    special_tokens,
+)
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .llama import LlamaModel, check_weights
@@ -108,6 +114,18 @@ def load_model(
             f"model {name!r} is neither 'bundled', 'tiny-random' nor a checkpoint directory"
         )
     return load_checkpoint(path, device=device, dtype=dtype)
+
+
+def served_as(
+    loaded: LoadedModel, *, name: str | None = None, chat_template: str | None = None
+) -> LoadedModel:
+    """`loaded` under the name it is served as, and with the chat template given (the
+    template itself, or a file holding one; checked to compile) in place of its own."""
+    return attrs.evolve(
+        loaded,
+        name=name or loaded.name,
+        chat_template=given_chat_template(chat_template) if chat_template else loaded.chat_template,
+    )
 
 
 # -- tiny-random -----------------------------------------------------------------

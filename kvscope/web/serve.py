@@ -22,7 +22,7 @@ import anyio
 import attrs
 
 from kvscope.config import EngineConfig
-from kvscope.options import add_engine_arguments, engine_kwargs
+from kvscope.options import DEFAULT_MODEL, add_engine_arguments, engine_kwargs
 from kvscope.scheduling import LOOP_PRIORITY
 
 from .server import Server
@@ -49,6 +49,12 @@ REPLICA_WORKER_CORES = "all"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (or --model; bundled unless given)",
+    )
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -158,6 +164,13 @@ def with_worker_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     with_worker_defaults(args)
+    if args.model_tag is not None and args.model not in (None, args.model_tag):
+        print(
+            f"error: the model is given twice: {args.model_tag} and --model {args.model}",
+            file=sys.stderr,
+        )
+        return 2
+    args.model = args.model_tag or args.model or DEFAULT_MODEL
     try:
         settings = settings_from(args)
         kwargs = engine_kwargs(args)

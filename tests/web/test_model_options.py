@@ -1,0 +1,80 @@
+"""What a vLLM user passes about the model, on the real server: the name it is served
+as (`--served-model-name`), a chat template in place of the checkpoint's
+(`--chat-template`, the template or a file), and the model as `kvscope serve MODEL`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvscope import Engine
+from kvscope.models.errors import ModelLoadError
+
+from .conftest import ROOT, running_server, wait_clean
+
+TEMPLATE = "X{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}Y"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_the_served_name_and_the_template_given(backend: str, tmp_path: Path) -> None:
+    with running_server(
+        backend, tmp_path, served_model_name="my-llm", chat_template=TEMPLATE
+    ) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="-", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["my-llm"]
+        out = client.chat.completions.create(model="my-llm", messages=HI, max_tokens=2)  # type: ignore[arg-type]
+        assert out.model == "my-llm"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="tiny-random", prompt="x", max_tokens=1)
+        with live.client() as http:
+            tokens = http.post("/tokenize", json={"messages": HI}).json()["tokens"]
+            text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+        assert text == "X[user:hi]Y"
+        client.close()
+        wait_clean(live)
+
+
+@pytest.mark.anyio
+async def test_a_template_file_is_read_and_a_bad_one_refused(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    async with Engine.open("tiny-random", device="cpu", chat_template=str(path)) as engine:
+        assert engine.loaded.render_chat(HI) == "X[user:hi]Y"
+    for bad, said in (("{% for %}", "does not compile"), (str(tmp_path / "none"), "no file")):
+        with pytest.raises(ModelLoadError, match=said):
+            async with Engine.open("tiny-random", device="cpu", chat_template=bad):
+                pass
+
+
+def test_kvscope_serve_takes_the_model_as_vllm_serve_does() -> None:
+    command = [sys.executable, "-m", "kvscope.cli", "serve", "tiny-random", "--device", "cpu"]
+    process = subprocess.Popen(
+        [*command, "--port", "0", "--worker", "thread"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("kvscope serving tiny-random on "), line
+        url = line.split(" on ")[1].split()[0]
+        models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["tiny-random"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    twice = subprocess.run(
+        [*command, "--model", "bundled"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert twice.returncode == 2 and "given twice" in twice.stderr
