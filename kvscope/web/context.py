@@ -18,6 +18,7 @@ from quart import current_app
 from kvscope import Engine
 
 from .metrics import Metrics
+from .reasoning import ReasoningParser
 from .settings import ServerSettings
 from .tool_parsers import parser_for
 
@@ -42,6 +43,8 @@ class ServerContext:
         self.started = int(time.time())
         #: How `tool_choice: auto` reads calls (`settings.tool_call_parser`).
         self.tool_parser = parser_for(settings.tool_call_parser, engine.loaded.chat_template)
+        #: How a thinking model's reasoning is told from its answer.
+        self.reasoning = ReasoningParser(settings.reasoning_parser)
         #: Set once shutdown began: WebSockets stop waiting for new bodies.
         self.shutting_down = anyio.Event()
         self.open_streams = 0

@@ -35,6 +35,7 @@ from .errors import ApiError
 from .openai_prompts import batch, max_tokens, prompt_ids, truncated
 from .openai_run import complete
 from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
+from .reasoning import NONE as NO_REASONING
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -118,7 +119,14 @@ async def chat_completions() -> Any:
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     plan = (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param))
-    return await complete(ctx, [plan], body, chat=True, tools=tools)
+    # JSON (a schema's, a tool's arguments) has no room for reasoning: all of it is the
+    # answer. A regex or a choice constrains the whole text, tags and all.
+    json_out = body.guided_json is not None or tools.guide() is not None
+    json_out = json_out or (
+        body.response_format is not None and body.response_format.type != "text"
+    )
+    reasoning = NO_REASONING if json_out else ctx.reasoning
+    return await complete(ctx, [plan], body, chat=True, tools=tools, reasoning=reasoning)
 
 
 # -- reading and checking a body ---------------------------------------------------------

@@ -195,6 +195,7 @@ class ChunkFormat:
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": index,
@@ -203,6 +204,8 @@ class ChunkFormat:
         }
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
             if text is not None or tool_calls:
                 delta["content"] = text
             if tool_calls:

@@ -28,6 +28,8 @@ from .context import ServerContext, disconnect_reason
 from .errors import ApiError
 from .openai_format import Choices, ChunkFormat, usage
 from .openai_schemas import OpenAISampling
+from .reasoning import NONE as NO_REASONING
+from .reasoning import ReasoningParser, ReasoningStream
 from .sse import DONE, StreamBody, encode, sse_response
 from .tools import ToolPlan
 
@@ -97,13 +99,16 @@ async def complete(
     *,
     chat: bool,
     tools: ToolPlan | None = None,
+    reasoning: ReasoningParser = NO_REASONING,
 ) -> Any:
-    """Run the call and answer it: an SSE stream with `stream`, else the whole response."""
+    """Run the call and answer it: an SSE stream with `stream`, else the whole response.
+    A chat's `reasoning` parser tells its reasoning (`reasoning_content`) from its
+    answer, the content, in which its tool calls are read."""
     jobs = await start(ctx, plans, body, tools)
     view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
     fmt = ChunkFormat(jobs[0].id, int(time.time()), ctx.engine.model_name, chat=chat)
     if body.stream:
-        chunks = stream_chunks(jobs, body, view, fmt, tools)
+        chunks = stream_chunks(jobs, body, view, fmt, tools, reasoning)
         ids = [job.id for job in reversed(jobs)]
         return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
     try:
@@ -114,14 +119,18 @@ async def complete(
     choices = []
     for index, result in enumerate(results):
         choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}
-        text = view.prefix(index) + result.text
+        thought, said = reasoning.split(result.text)
+        text = view.prefix(index) + (said or "")
         if tools is not None and tools.calls_tools:
             content, calls, choice["finish_reason"] = tools.answer(text, result.finish_reason)
             choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
         elif chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            shown = text if said is not None or view.prefix(index) else None
+            choice["message"] = {"role": "assistant", "content": shown}
         else:
             choice["text"] = text
+        if reasoning.splits:
+            choice["message"]["reasoning_content"] = thought
         choice["logprobs"] = view.of_result(result, index)
         if body.prompt_logprobs is not None and not chat:
             choice["prompt_logprobs"] = view.vllm_prompt_logprobs(index, result.prompt_logprobs)
@@ -145,13 +154,17 @@ async def stream_chunks(
     view: Choices,
     fmt: ChunkFormat,
     tools: ToolPlan | None = None,
+    reasoning: ReasoningParser = NO_REASONING,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
     `index`), the usage chunk if asked, `[DONE]`. With vLLM's `continuous_usage_stats`
     every chunk carries its choice's usage so far. A named function's arguments go out
     as they come; under `auto` the content does up to a `<tool_call>`, and the calls
-    (with any content left) in one delta at the end; under `required`, all at the end."""
+    (with any content left) in one delta at the end; under `required`, all at the end.
+    With a `reasoning` parser the reasoning goes out as `reasoning_content` deltas, and
+    the answer as the content (the tools read from it)."""
     chat = view.chat
+    thinking = {i: ReasoningStream(reasoning) for i in range(len(jobs))} if reasoning.splits else {}
     whole = tools if tools is not None and tools.calls_tools else None
     auto = whole is not None and whole.mode == "auto"
     held = {i: whole.held_content() for i in range(len(jobs))} if whole and auto else {}
@@ -187,14 +200,22 @@ async def stream_chunks(
             streamed[index] = result.completion_tokens
             left -= 1
             reason = result.finish_reason
+            answer = result.text
+            if thinking:  # what the stream held back, and the answer whole
+                thought, rest = thinking[index].finish()
+                if thought:
+                    yield framed(index, fmt.chunk(index, None, None, reasoning=thought))
+                if rest and not whole:
+                    yield framed(index, fmt.chunk(index, rest, None))
+                answer = reasoning.split(answer)[1] or ""
             if whole and whole.streams_arguments:
                 if not streamed[index]:  # no token came: the call is named all the same
                     calls = whole.argument_deltas("", first=True)
                     yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
             elif whole:
-                content, calls, reason = whole.answer(result.text, reason)
+                content, calls, reason = whole.answer(answer, reason)
                 if index in held:  # `auto`: what was not sent yet of the content
-                    content = held[index].rest(result.text) or None
+                    content = held[index].rest(answer) or None
                 if content or calls:
                     yield framed(index, fmt.chunk(index, content, None, tool_calls=calls))
             finish = framed(index, fmt.chunk(index, None if chat else "", reason))
@@ -205,21 +226,26 @@ async def stream_chunks(
             continue
         first = not streamed[index]
         streamed[index] += len(delta.token_ids)
-        if whole and whole.streams_arguments and (delta.text or first):
-            calls = whole.argument_deltas(delta.text, first)
+        text = delta.text
+        if thinking:
+            thought, text = thinking[index].feed(text)
+            if thought:
+                yield framed(index, fmt.chunk(index, None, None, reasoning=thought))
+        if whole and whole.streams_arguments and (text or first):
+            calls = whole.argument_deltas(text, first)
             yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
-        elif index in held and (piece := held[index].feed(delta.text)):
+        elif index in held and (piece := held[index].feed(text)):
             yield framed(index, fmt.chunk(index, piece, None))
         if whole:
             continue  # sent as arguments or content up to a call, the rest at its end
-        if view.wanted and (delta.text or delta.logprobs):
+        if view.wanted and (text or delta.logprobs):
             logprobs = view.logprobs(delta.token_ids, delta.logprobs, index, offsets[index])
             offsets[index] += sum(len(view.token_text(t)) for t in delta.token_ids)
-            yield framed(index, fmt.chunk(index, delta.text, None, logprobs=logprobs))
-        elif delta.text and body.continuous_usage:
-            yield framed(index, fmt.chunk(index, delta.text, None))
-        elif delta.text:
-            yield fmt.text_chunk(index, delta.text)
+            yield framed(index, fmt.chunk(index, text, None, logprobs=logprobs))
+        elif text and body.continuous_usage:
+            yield framed(index, fmt.chunk(index, text, None))
+        elif text:
+            yield fmt.text_chunk(index, text)
     if body.include_usage:
         prompts = sum(jobs[i].result.prompt_tokens for i in range(0, len(jobs), body.n))
         last += encode(fmt.usage_chunk(prompts, completion_tokens))

@@ -38,6 +38,8 @@ from .openai import read_openai_body
 from .openai_prompts import max_tokens
 from .openai_run import check_params
 from .openai_schemas import ChatMessage, ChatTemplateOptions
+from .reasoning import NONE as NO_REASONING
+from .reasoning import ReasoningParser
 from .response_ids import response_id
 from .response_store import ResponseStore, StoredResponse
 from .responses_format import ResponseEvents, ResponseView
@@ -68,7 +70,7 @@ async def create_response() -> Any:
     """A response to `input` (text or items): whole, streamed, or in the background."""
     ctx = server()
     body = await read_openai_body(ResponsesBody)
-    _check(body)
+    _check(ctx, body)
     owner = current_owner()
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -93,7 +95,13 @@ async def create_response() -> Any:
     job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
     model = ctx.engine.model_name
     view = ResponseView(
-        response_id(job.id), body, model, _shown(ctx, body), plan, tokenizer=ctx.engine.tokenizer
+        response_id(job.id),
+        body,
+        model,
+        _shown(ctx, body),
+        plan,
+        tokenizer=ctx.engine.tokenizer,
+        reasoning=_reasoning(ctx, body),
     )
     entry = StoredResponse(view, owner, messages, listed_items(items, view.id), job)
     if body.store:
@@ -111,7 +119,7 @@ async def create_response() -> Any:
     return entry.current(), 200, headers
 
 
-def _check(body: ResponsesBody) -> None:
+def _check(ctx: ServerContext, body: ResponsesBody) -> None:
     if not body.input:
         raise ApiError(400, "the input is empty", param="input")
     if body.background and not body.store:
@@ -129,6 +137,10 @@ def _check(body: ResponsesBody) -> None:
     if body.logprobs_wanted is not None and body.tool_plan.calls_tools:
         # The text may become calls: no log-probabilities beside them, as on chat.
         raise ApiError(400, "the output text's logprobs are not given with tools", param="include")
+    if body.logprobs_wanted is not None and _reasoning(ctx, body).splits:
+        raise ApiError(
+            400, "the output text's logprobs are not given with a reasoning parser", param="include"
+        )
     fmt = body.text_format
     if fmt.type == "json_schema" and fmt.schema_ is None:
         raise ApiError(400, "a json_schema format needs schema", param="text.format.schema")
@@ -139,6 +151,14 @@ def _check(body: ResponsesBody) -> None:
             "text.format with it",
             param="tool_choice",
         )
+
+
+def _reasoning(ctx: ServerContext, body: ResponsesBody) -> ReasoningParser:
+    """The server's reasoning parser, unless the output is JSON (a schema's, a tool's
+    arguments), which has no room for reasoning."""
+    if body.text_format.type != "text" or body.tool_plan.guide() is not None:
+        return NO_REASONING
+    return ctx.reasoning
 
 
 def _shown(ctx: ServerContext, body: ResponsesBody) -> dict[str, Any]:

@@ -29,6 +29,8 @@ from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.models.tokenizer import Tokenizer
 
 from .openai_format import token_entries
+from .reasoning import NONE as NO_REASONING
+from .reasoning import ReasoningParser, ReasoningStream
 from .responses_schemas import ResponsesBody
 from .sse import dumps
 from .tools import ToolPlan
@@ -72,10 +74,12 @@ class ResponseView:
         plan: ToolPlan | None = None,
         *,
         tokenizer: Tokenizer | None = None,  # to show log-probabilities, if asked
+        reasoning: ReasoningParser = NO_REASONING,
     ) -> None:
         self.id = response_id
         self.body = body
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.plan = plan or body.tool_plan  # read by the server's parser, as the route gives it
         self.created_at = int(time.time())
         choice = body.tool_choice
@@ -123,14 +127,31 @@ class ResponseView:
             "completed_at": None,
         }
 
-    def outcome(self, result: Completion) -> tuple[str | None, list[tuple[str, str]], str]:
-        """The message's text (None for none), the calls (name, arguments) and the
-        status of a request's end."""
-        content, calls, reason = self.plan.answer(result.text, result.finish_reason)
+    def outcome(
+        self, result: Completion
+    ) -> tuple[str | None, str | None, list[tuple[str, str]], str]:
+        """The reasoning and the message's text (None for none), the calls (name,
+        arguments) and the status of a request's end."""
+        thought, said = self.reasoning.split(result.text)
+        content, calls, reason = self.plan.answer(said or "", result.finish_reason)
         pairs = [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
-        if content is not None and not content and pairs:
+        if not content and (pairs or said is None):
             content = None
-        return content, pairs, STATUS_OF_FINISH.get(reason, "completed")
+        return thought, content, pairs, STATUS_OF_FINISH.get(reason, "completed")
+
+    @property
+    def reasoning_id(self) -> str:
+        return "rs_" + self.id.removeprefix("resp_")
+
+    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
 
     def message_item(
         self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
@@ -165,9 +186,9 @@ class ResponseView:
 
     def final(self, result: Completion) -> dict[str, Any]:
         """The whole response once its request has ended."""
-        content, calls, status = self.outcome(result)
+        thought, content, calls, status = self.outcome(result)
         item_status = _item_status(status)
-        output = []
+        output = [self.reasoning_item(thought, item_status)] if thought is not None else []
         if content is not None:  # all of the text, when no call was read out of it
             logprobs = self.logprobs(result.token_ids, result.logprobs)
             output.append(self.message_item(content, item_status, logprobs))
@@ -206,6 +227,11 @@ class ResponseEvents:
         self.logprobs: list[dict[str, Any]] = []  # and its tokens' log-probabilities
         self.message: int | None = None  # the message's output index, once opened
         self.held = self.plan.held_content() if self.plan.mode == "auto" else None
+        split = view.reasoning.splits
+        self.thinking = ReasoningStream(view.reasoning) if split else None
+        self.thought = ""  # the reasoning sent so far
+        self.reasoning_at: int | None = None  # the reasoning item's output index, once open
+        self.reasoning_done = False
         self.arguments: int | None = None  # a named function's output index
         self.final: dict[str, Any] | None = None  # the last snapshot, once made
 
@@ -230,28 +256,39 @@ class ResponseEvents:
         """The events for more of the output: its text (`first`: its first token's),
         and its tokens' log-probabilities where asked (no tools, so the text is all
         the message's)."""
+        out = b""
+        if self.thinking is not None:  # the reasoning first; the rest is the answer
+            thought, text = self.thinking.feed(text)
+            out += self._reasoning_text(thought)
         mode = self.plan.mode
         if mode == "none":
-            return self._message_text(text, self.view.logprobs(token_ids, logprobs or None))
+            return out + self._message_text(text, self.view.logprobs(token_ids, logprobs or None))
         if mode == "auto":
             assert self.held is not None
-            return self._message_text(self.held.feed(text))
+            return out + self._message_text(self.held.feed(text))
         if mode == "function" and (text or first):
-            return self._arguments(text)
-        return b""  # required: the calls come whole at the end
+            return out + self._arguments(text)
+        return out  # required: the calls come whole at the end
 
     def closing(self, result: Completion) -> bytes:
         """The events of the request's end: the rest of the output, every item done,
         and the final snapshot."""
-        content, calls, status = self.view.outcome(result)
+        _thought, content, calls, status = self.view.outcome(result)
         item_status = _item_status(status)
+        said = result.text
+        out = b""
+        if self.thinking is not None:
+            held_back, _answer_rest = self.thinking.finish()  # the answer's: from `said`
+            out += self._reasoning_text(held_back)
+            said = self.view.reasoning.split(result.text)[1] or ""
+        out += self._reasoning_close(item_status)
         if self.plan.mode == "function":
             # No token came: the call is named all the same.
-            out = self._arguments("") if self.arguments is None else b""
+            out += self._arguments("") if self.arguments is None else b""
             assert self.arguments is not None
             out += self._arguments_done(self.arguments, item_status)
         else:
-            out = self._message_text(self._rest(result.text, content))
+            out += self._message_text(self._rest(said, content))
             if self.message is not None:
                 out += self._message_done(item_status)
             for name, arguments in calls:
@@ -285,11 +322,48 @@ class ResponseEvents:
         item["arguments"] = arguments
         return out + self._arguments_done(index, status)
 
+    def _reasoning_text(self, piece: str) -> bytes:
+        """A delta of the reasoning, its item opened first if it is not."""
+        if not piece:
+            return b""
+        out = b""
+        if self.reasoning_at is None:
+            self.reasoning_at = len(self.items)
+            item = self.view.reasoning_item("", "in_progress")
+            self.items.append(item)
+            out += self.event(
+                "response.output_item.added", output_index=self.reasoning_at, item=item
+            )
+        self.thought += piece
+        return out + self.event(
+            "response.reasoning_text.delta",
+            item_id=self.view.reasoning_id,
+            output_index=self.reasoning_at,
+            content_index=0,
+            delta=piece,
+        )
+
+    def _reasoning_close(self, status: str) -> bytes:
+        """The reasoning item done (before any item after it opens); once."""
+        if self.reasoning_at is None or self.reasoning_done:
+            return b""
+        self.reasoning_done = True
+        index = self.reasoning_at
+        done = self.event(
+            "response.reasoning_text.done",
+            item_id=self.view.reasoning_id,
+            output_index=index,
+            content_index=0,
+            text=self.thought,
+        )
+        self.items[index] = item = self.view.reasoning_item(self.thought, status)
+        return done + self.event("response.output_item.done", output_index=index, item=item)
+
     def _message_text(self, piece: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         """A delta of the message's text, the message opened first if it is not."""
         if not piece and not logprobs:
             return b""
-        out = b""
+        out = self._reasoning_close("completed")
         if self.message is None:
             self.message = len(self.items)
             item = self.view.message_item("", "in_progress")
@@ -336,7 +410,7 @@ class ResponseEvents:
         return done + self.event("response.output_item.done", output_index=index, item=item)
 
     def _arguments(self, text: str) -> bytes:
-        out = b""
+        out = self._reasoning_close("completed")
         if self.arguments is None:
             assert self.plan.name is not None
             self.arguments = len(self.items)

@@ -3,12 +3,13 @@
 The input becomes the chat route's messages (`conversation`): a string is one user
 message; items are messages (`input_text` / `output_text` parts), `function_call`
 items (an assistant turn's tool calls) and `function_call_output` items (a `tool`
-message). `instructions` is a system message before them. Function tools and
+message); a `reasoning` item sent back is dropped, as chat templates drop past turns'
+reasoning. `instructions` is a system message before them. Function tools and
 `tool_choice` become the chat route's `ToolPlan`; `text.format` a JSON grammar.
 
 As on the other OpenAI routes, a field this module does not declare is a 400 naming
 it, and so is an input item or content part of a kind it does not take (images,
-files, reasoning, built-in tools). Ids and statuses that a client sends back with a
+files, built-in tools). Ids and statuses that a client sends back with a
 previous response's output items have no effect on the prompt and are accepted.
 `top_k`, `min_p`, `repetition_penalty`, `seed`, `ignore_eos` and `priority` are vLLM's and
 kvscope's extensions, as on the other routes.
@@ -71,6 +72,18 @@ class FunctionCallOutputItem(_Item):
     status: str | None = None
 
 
+class ReasoningItem(_Item):
+    """A previous response's reasoning, sent back: not shown to the template (as chat
+    templates drop past turns' reasoning)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 def _item_kind(value: Any) -> str | None:
     """An item's `type`; a message may leave it out (OpenAI's easy input message)."""
     if isinstance(value, dict):
@@ -81,7 +94,8 @@ def _item_kind(value: Any) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -218,7 +232,7 @@ def _text(content: Content) -> str:
 
 
 ITEM = TypeAdapter(InputItem)
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[Item]:
@@ -255,14 +269,19 @@ def conversation(items: list[Item]) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             content = _text(item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
     return messages
 
 
 #: The id prefix of each kind of input item, where the client gave it none.
-ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+ITEM_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def listed_items(items: list[Item], response_id: str) -> list[dict[str, Any]]:

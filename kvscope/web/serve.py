@@ -25,6 +25,7 @@ from kvscope.config import EngineConfig
 from kvscope.options import DEFAULT_MODEL, add_engine_arguments, engine_kwargs
 from kvscope.scheduling import LOOP_PRIORITY
 
+from .reasoning import PARSERS as REASONING_PARSERS
 from .server import Server
 from .settings import ServerSettings
 from .tool_parsers import PARSERS
@@ -87,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "unless set (vLLM's parsers of these names)",
     )
     group.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=attrs.fields(ServerSettings).reasoning_parser.default,
+        help="tell a thinking model's <think> reasoning from its answer (reasoning_content), "
+        "as vLLM's parsers of these names",
+    )
+    group.add_argument(
         "--loop-priority",
         type=int,
         default=LOOP_PRIORITY,
@@ -136,6 +144,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         drain_timeout=args.drain_timeout,
         loop_priority=args.loop_priority,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

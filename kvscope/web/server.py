@@ -103,7 +103,7 @@ class Server:
                     await tg.start(self._watch_signals)
                 log.info(
                     "kvscope listening on %s (model %s, device %s, backend %s, %d API key(s), "
-                    "audit log %s, tool calls read as %s)",
+                    "audit log %s, tool calls read as %s, reasoning parser %s)",
                     self.url,
                     engine.model_name,
                     engine.device,
@@ -111,6 +111,7 @@ class Server:
                     len(self.settings.api_keys),
                     engine.config.audit_log or "in memory",
                     ctx.tool_parser.name,
+                    ctx.reasoning.name,
                 )
                 task_status.started(self.port)
                 await serve_app(app, config, self.settings.backend, self._stop_serving.wait)

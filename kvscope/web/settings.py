@@ -15,6 +15,7 @@ from attrs import validators as v
 
 from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
+from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_parsers import PARSERS
 
 
@@ -73,5 +74,8 @@ class ServerSettings:
     #: How `tool_choice: auto` reads calls out of the text (`web.tool_parsers`);
     #: `auto` picks the format the chat template shows.
     tool_call_parser: str = attrs.field(default="auto", validator=v.in_(PARSERS))
+    #: How a thinking model's reasoning is told from its answer (`web.reasoning`);
+    #: `none` leaves the text whole.
+    reasoning_parser: str = attrs.field(default="none", validator=v.in_(REASONING_PARSERS))
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))

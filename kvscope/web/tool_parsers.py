@@ -49,7 +49,7 @@ def _named(value: Any, arguments_key: str = "arguments") -> dict[str, Any] | Non
     return tool_call(value["name"], value.get(arguments_key, value.get("arguments", {})))
 
 
-def _tail_of(text: str, tag: str) -> int:
+def tag_tail(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag`."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):
@@ -84,7 +84,7 @@ class ToolParser:
             may = not head or head.startswith("{") or head.startswith(self.tag)
             return 0 if sent == 0 and (may or self.tag.startswith(head)) else len(text)
         at = text.find(self.tag, sent)
-        return at if at >= 0 else len(text) - _tail_of(text, self.tag)
+        return at if at >= 0 else len(text) - tag_tail(text, self.tag)
 
 
 HERMES = ToolParser("hermes", "<tool_call>")

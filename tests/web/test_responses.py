@@ -20,6 +20,7 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 
 from kvscope import Completion
+from kvscope.web.reasoning import ReasoningParser
 from kvscope.web.responses_format import ResponseEvents, ResponseView
 from kvscope.web.responses_schemas import ResponsesBody
 
@@ -412,7 +413,7 @@ BAD = [
     ({"model": "another"}, 404, "model"),
 ]
 BAD_INPUT = [
-    ([{"type": "reasoning", "id": "r", "summary": []}], "input.0"),
+    ([{"type": "computer_call", "id": "c"}], "input.0"),
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input.0"),
     ([{"role": "robot", "content": "hi"}], "input.0"),
 ]
@@ -663,4 +664,49 @@ def test_the_output_texts_logprobs_are_chats(served: tuple[Live, openai.OpenAI, 
         ):
             refused = http.post("/v1/responses", json={"model": model, "input": ASK, **extra})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    wait_clean(live)
+
+
+def test_a_reasoning_item_comes_before_the_answer() -> None:
+    """With a reasoning parser (`qwen3`), fed what a thinking model writes, a stream's
+    events give the reasoning its own item, done before the message opens, and the
+    whole response the same items; each event matches the openai package's types."""
+    body = ResponsesBody.model_validate({"input": ASK})
+    view = ResponseView("resp_abc", body, "model", {}, reasoning=ReasoningParser("qwen3"))
+    events = ResponseEvents(view)
+    pieces = ["<thi", "nk>Two and", " two.</th", "ink>It is", " 4."]
+    stream = events.opening()
+    for index, piece in enumerate(pieces):
+        stream += events.feed(piece, index == 0)
+    result = Completion(
+        id="req-1", text="".join(pieces), token_ids=(1,) * 5, finish_reason="stop", prompt_tokens=3
+    )
+    stream += events.closing(result)
+    parsed = parsed_events(stream)
+    kinds = [e["type"] for e in parsed]
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")
+    thought = "".join(e["delta"] for e in parsed if e["type"] == "response.reasoning_text.delta")
+    assert thought == "Two and two."
+    final = Response.model_validate(parsed[-1]["response"])
+    reasoning, message = final.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Two and two."  # type: ignore[union-attr,index]
+    assert final.output_text == "It is 4."
+    whole = Response.model_validate(view.final(result))
+    assert whole.output == final.output
+
+
+def test_a_reasoning_item_sent_back_is_dropped(served: tuple[Live, openai.OpenAI, str]) -> None:
+    live, client, model = served
+    turn = [{"role": "user", "content": ASK}]
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Let me think."}],
+    }
+    plain = client.responses.create(model=model, input=turn, max_output_tokens=1)  # type: ignore[arg-type]
+    sent_back = client.responses.create(model=model, input=[*turn, thought], max_output_tokens=1)  # type: ignore[list-item]
+    assert sent_back.usage.input_tokens == plain.usage.input_tokens  # type: ignore[union-attr]
+    listed = client.responses.input_items.list(sent_back.id, order="asc")
+    assert [item.type for item in listed] == ["message", "reasoning"]
     wait_clean(live)

@@ -157,8 +157,16 @@ def test_calls_are_read_in_the_servers_format(served: tuple[Live, openai.OpenAI,
     wait_clean(live)
 
 
-def test_kvscope_serve_takes_the_parser_and_logs_it() -> None:
-    process, _url = serve_cli("asyncio", "--worker", "thread", "--tool-call-parser", "llama3_json")
+def test_kvscope_serve_takes_the_parsers_and_logs_them() -> None:
+    process, _url = serve_cli(
+        "asyncio",
+        "--worker",
+        "thread",
+        "--tool-call-parser",
+        "llama3_json",
+        "--reasoning-parser",
+        "deepseek_r1",
+    )
     try:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
@@ -167,7 +175,7 @@ def test_kvscope_serve_takes_the_parser_and_logs_it() -> None:
             process.kill()
             process.wait()
     assert process.returncode == 0, stderr[-3000:]
-    assert "tool calls read as llama3_json" in stderr
+    assert "tool calls read as llama3_json, reasoning parser deepseek_r1" in stderr
     refused = subprocess.run(
         [sys.executable, "-m", "kvscope.cli", "serve", "--tool-call-parser", "pythonic"],
         cwd=ROOT,
