@@ -7,7 +7,10 @@ proxy streams the body after choosing), so the prefix is read in front of it, in
 Serve's proxy: `PrefixKeyMiddleware` (installed by the proxy callback, like
 `StreamEndMiddleware`) reads the body of a generation call that names no replica,
 hashes the first `PREFIX_CHARS` characters of its prompt (a chat's messages, in
-order) and adds the hash as `X-Kvscope-Prefix`, then hands the body on unchanged.
+order; a response's `instructions` and input, as the chat they render) and adds the
+hash as `X-Kvscope-Prefix`, then hands the body on unchanged. A body that names its
+replica itself (a `parent`, a `previous_response_id`: where they live) gets that
+replica's `X-Kvscope-Replica` instead, which spares the replica a forward.
 
 `OwnerRouter` (router.py) prefers, for that hash, the replica that rendezvous hashing
 ranks first (`preferred`): every proxy of a cluster picks the same replica for a
@@ -22,7 +25,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .ids import routing_key
+from .ids import REPLICA_HEADER, routing_key
+from .messages import parent_owner
 
 #: The header that carries a call's prefix hash from the proxy's middleware to the router.
 PREFIX_HEADER = b"x-kvscope-prefix"
@@ -32,7 +36,7 @@ PREFIX_CHARS = 256
 #: Bodies longer than this are not read ahead (the replica answers their 413).
 MAX_READ = 1 << 20
 #: The calls that carry a prompt.
-PROMPT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+PROMPT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 Message = dict[str, Any]
 
@@ -60,6 +64,11 @@ def _prompt_head(data: dict[str, Any]) -> str:
     if prompt is not None:
         return json.dumps(prompt)[:PREFIX_CHARS]  # token ids
     messages = data.get("messages")
+    if messages is None and "input" in data:  # the Responses API: as the chat it renders
+        given = data["input"]
+        messages = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        if isinstance(messages, list) and isinstance(data.get("instructions"), str):
+            messages = [{"role": "system", "content": data["instructions"]}, *messages]
     if not isinstance(messages, list):
         return ""
     head = ""
@@ -107,8 +116,13 @@ class PrefixKeyMiddleware:
                 break
             size += len(message.get("body", b""))
             more = message.get("more_body", False)
-        key = None if more else prefix_key(b"".join(m.get("body", b"") for m in read))
-        if key is not None:
+        body = b"".join(m.get("body", b"") for m in read)
+        owner = None if more else parent_owner(body)
+        key = None if more or owner else prefix_key(body)
+        if owner is not None:
+            header = (REPLICA_HEADER.encode(), owner.encode())
+            scope = {**scope, "headers": [*scope["headers"], header]}
+        elif key is not None:
             scope = {**scope, "headers": [*scope["headers"], (PREFIX_HEADER, key.encode())]}
 
         async def replay() -> Message:

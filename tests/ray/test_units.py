@@ -82,6 +82,13 @@ def test_prefix_keys_group_prompts_by_their_head() -> None:
     assert prefix_key(json.dumps({"messages": chat}).encode()) == prefix_key(
         json.dumps({"messages": [*chat[:1], {"role": "user", "content": "Bye"}]}).encode()
     )
+    # A response's instructions and input head it as the chat they render would.
+    response = {"instructions": head, "input": "Hi"}
+    assert prefix_key(json.dumps(response).encode()) == prefix_key(
+        json.dumps({"messages": chat}).encode()
+    )
+    items = {"instructions": head, "input": [{"role": "user", "content": "Hi"}]}
+    assert prefix_key(json.dumps(items).encode()) == prefix_key(json.dumps(response).encode())
     assert prefix_key(json.dumps({"prompt": [head, "x"]}).encode()) is not None
     for bad in (b"{nope", b"[]", b'{"prompt": ""}', b'{"messages": 3}'):
         assert prefix_key(bad) is None
@@ -135,6 +142,14 @@ async def test_the_proxy_middleware_keys_a_body_and_hands_it_on_whole() -> None:
     named = {**scope, "headers": [(b"x-kvscope-replica", b"r1")]}
     await PrefixKeyMiddleware(app)(named, receive, send)
     assert PREFIX_HEADER not in seen["headers"] and seen["body"] == body
+    # A body that names where it belongs (a response it continues) is sent there.
+    continued = json.dumps(
+        {"input": "More", "previous_response_id": "resp_r7-" + "0" * 32}
+    ).encode()
+    incoming[:] = [{"type": "http.request", "body": continued, "more_body": False}]
+    await PrefixKeyMiddleware(app)({**scope, "path": "/v1/responses"}, receive, send)
+    assert seen["headers"][b"x-kvscope-replica"] == b"r7" and seen["body"] == continued
+    assert PREFIX_HEADER not in seen["headers"]
 
 
 def test_outside_a_replica_stopping_is_unknown_and_said_so(
