@@ -23,12 +23,19 @@ from .openai_schemas import OpenAISampling
 from .sse import dumps, frame
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; with `cached_tokens` (known once the prompts' requests ended),
+    `prompt_tokens_details` says how many of the prompt tokens the prefix cache held."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
 
 
 class Choices:
@@ -221,5 +228,8 @@ class ChunkFormat:
             f"{self._open}{index}{self._middle}{encode_basestring_ascii(text)}{self._close}"
         )
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {**self.head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> dict[str, Any]:
+        counts = usage(prompt_tokens, completion_tokens, cached_tokens)
+        return {**self.head, "choices": [], "usage": counts}

@@ -137,11 +137,12 @@ async def complete(
         choices.append(choice)
     prompt_tokens = sum(len(ids) for ids, _ in plans)
     completion_tokens = sum(r.completion_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results[:: body.n])  # each prompt's sample 0
     answer = {
         **fmt.head,
         "object": "chat.completion" if chat else "text_completion",
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached),
     }
     if body.prompt_logprobs is not None and chat:  # vLLM's place for the one prompt's
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
@@ -159,8 +160,9 @@ async def stream_chunks(
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
     `index`), the usage chunk if asked, `[DONE]`. With vLLM's `continuous_usage_stats`
     every chunk carries its choice's usage so far. A named function's arguments go out
-    as they come; under `auto` the content does up to a `<tool_call>`, and the calls
-    (with any content left) in one delta at the end; under `required`, all at the end.
+    as they come; under `auto` the content does up to where a call may begin, and the
+    calls (with any content left) in one delta at the end; under `required`, all at the
+    end.
     With a `reasoning` parser the reasoning goes out as `reasoning_content` deltas, and
     the answer as the content (the tools read from it)."""
     chat = view.chat
@@ -248,5 +250,6 @@ async def stream_chunks(
             yield fmt.text_chunk(index, text)
     if body.include_usage:
         prompts = sum(jobs[i].result.prompt_tokens for i in range(0, len(jobs), body.n))
-        last += encode(fmt.usage_chunk(prompts, completion_tokens))
+        cached = sum(jobs[i].result.cached_tokens for i in range(0, len(jobs), body.n))
+        last += encode(fmt.usage_chunk(prompts, completion_tokens, cached))
     yield last + DONE

@@ -346,3 +346,30 @@ def test_bad_words_stay_out_of_the_output(live: Live, client: openai.OpenAI) -> 
         "bad_words",
     )
     wait_clean(live)
+
+
+def test_usage_says_how_much_of_the_prompt_was_cached(live: Live, client: openai.OpenAI) -> None:
+    """`prompt_tokens_details.cached_tokens`: none the first time, the full blocks the
+    prefix cache holds the second (whole and in a stream's usage chunk); a batch counts
+    each prompt once."""
+    prompt = "A prompt long enough to fill a few KV blocks of sixteen tokens each."
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < again.usage.prompt_tokens and cached % 16 == 0
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=chat,  # type: ignore[arg-type]
+        max_tokens=2,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert 16 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    batch = client.completions.create(model=MODEL, prompt=[prompt, prompt], max_tokens=1)
+    assert batch.usage.prompt_tokens_details.cached_tokens == 2 * cached
+    wait_clean(live)
