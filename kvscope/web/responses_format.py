@@ -14,6 +14,9 @@ item's `added` and `done` events around its parts; and the final snapshot as
 `cancelled`) or `response.failed`. Every event carries its `sequence_number` and goes
 out as an SSE message whose `event:` is its type. Under `tool_choice: auto` the text
 goes out up to where a call may begin (`HeldContent`) and the calls come at the end.
+With a reasoning parser (`reasoning.py`) the reasoning is an item of its own, first,
+streamed as `response.reasoning_text.delta` events and done before the answer's items
+open.
 """
 
 from __future__ import annotations
