@@ -11,12 +11,16 @@ shows how it stands and `POST /v1/responses/{id}/cancel` cancels it. `DELETE
 runs. The engine's request id is the `X-Request-Id` header, so `DELETE
 /requests/{id}` cancels any response, background or not.
 
-Refused with a 400 naming the field: an empty `input`, `background` without `store` or
-with `stream`, a
+A background response may be streamed too; closing that stream cancels nothing, and
+`GET /v1/responses/{id}?stream=true&starting_after=N` streams it again, from event
+N + 1, while it runs.
+
+Refused with a 400 naming the field: an empty `input`, `background` without `store`, a
 `text.format` beside a required or named `tool_choice`, a `json_schema` format
-without its schema, a `stream` query on `GET` (no resumed streams here), a cancel of
-a response not made in the background. A `previous_response_id` that is not stored
-(or is another key's) is a 404, one still running a 400.
+without its schema, a `stream` query on `GET` of a response not made in the
+background or that has ended, a cancel of a response not made in the background. A
+`previous_response_id` that is not stored (or is another key's) is a 404, one still
+running a 400.
 """
 
 from __future__ import annotations
@@ -107,10 +111,11 @@ async def create_response() -> Any:
     if body.store:
         _store().add(entry)
     headers = {"X-Request-Id": job.id}
+    if body.stream:  # closing it cancels the request, unless it runs in the background
+        cancel = [] if body.background else [job.id]
+        return sse_response(StreamBody(ctx, _events(entry), cancel_ids=cancel), job.id)
     if body.background:
         return entry.current(), 200, headers
-    if body.stream:
-        return sse_response(StreamBody(ctx, _events(entry), cancel_ids=[job.id]), job.id)
     try:
         await job.wait()
     finally:
@@ -124,10 +129,6 @@ def _check(ctx: ServerContext, body: ResponsesBody) -> None:
         raise ApiError(400, "the input is empty", param="input")
     if body.background and not body.store:
         raise ApiError(400, "background needs store: true", param="background")
-    if body.background and body.stream:
-        raise ApiError(
-            400, "a background response is not streamed here: GET it by id", param="stream"
-        )
     if body.top_logprobs is not None and body.logprobs_wanted is None:
         raise ApiError(
             400,
@@ -173,8 +174,8 @@ def _shown(ctx: ServerContext, body: ResponsesBody) -> dict[str, Any]:
     }
 
 
-async def _events(entry: StoredResponse) -> AsyncGenerator[bytes, None]:
-    events = ResponseEvents(entry.view)
+async def _events(entry: StoredResponse, after: int = -1) -> AsyncGenerator[bytes, None]:
+    events = ResponseEvents(entry.view, after=after)
     yield events.opening()
     first = True
     async for delta in entry.job:
@@ -191,10 +192,22 @@ async def _events(entry: StoredResponse) -> AsyncGenerator[bytes, None]:
 
 @blueprint.get("/responses/<response_id>")
 async def get_response(response_id: str) -> Any:
-    """A stored response as it stands."""
-    if request.args.get("stream", "false").lower() not in ("false", "0"):
-        raise ApiError(400, "a stored response is not streamed again here", param="stream")
-    return _store().get(response_id, current_owner()).current()
+    """A stored response as it stands; with `?stream=true`, a background response
+    that still runs streams its events again, those after `starting_after` (closing
+    that stream cancels nothing)."""
+    entry = _store().get(response_id, current_owner())
+    if request.args.get("stream", "false").lower() in ("false", "0"):
+        return entry.current()
+    if not entry.view.body.background:
+        raise ApiError(400, "only a background response streams again", param="stream")
+    if entry.job.done:
+        raise ApiError(400, "the response has ended: GET it without stream", param="stream")
+    after = request.args.get("starting_after", "-1")
+    if not after.lstrip("-").isdigit():
+        raise ApiError(
+            400, f"starting_after must be a number, not {after!r}", param="starting_after"
+        )
+    return sse_response(StreamBody(server(), _events(entry, int(after))), entry.job.id)
 
 
 #: `GET .../input_items`: the query it takes, and the most items a page holds.

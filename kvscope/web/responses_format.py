@@ -12,7 +12,8 @@ named function's arguments as `response.function_call_arguments.delta`); each ou
 item's `added` and `done` events around its parts; and the final snapshot as
 `response.completed`, `response.incomplete` (a cancelled response too, its status
 `cancelled`) or `response.failed`. Every event carries its `sequence_number` and goes
-out as an SSE message whose `event:` is its type. Under `tool_choice: auto` the text
+out as an SSE message whose `event:` is its type; a stream resumed `after` a number
+makes the events before it again (from the request's log, so alike) and sends the rest. Under `tool_choice: auto` the text
 goes out up to where a call may begin (`HeldContent`) and the calls come at the end.
 With a reasoning parser (`reasoning.py`) the reasoning is an item of its own, first,
 streamed as `response.reasoning_text.delta` events and done before the answer's items
@@ -221,10 +222,11 @@ def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[
 class ResponseEvents:
     """A streamed response's SSE messages, fed its deltas and then its end."""
 
-    def __init__(self, view: ResponseView) -> None:
+    def __init__(self, view: ResponseView, *, after: int = -1) -> None:
         self.view = view
         self.plan = view.plan
         self.sequence = 0
+        self.after = after  # events up to this sequence number are made, not sent
         self.items: list[dict[str, Any]] = []  # the output items opened so far
         self.text = ""  # the message's text sent so far
         self.logprobs: list[dict[str, Any]] = []  # and its tokens' log-probabilities
@@ -241,6 +243,8 @@ class ResponseEvents:
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
+        if data["sequence_number"] <= self.after:
+            return b""
         return f"event: {kind}\ndata: {dumps(data)}\n\n".encode()
 
     def opening(self) -> bytes:

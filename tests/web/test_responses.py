@@ -389,7 +389,6 @@ BAD = [
     ({"input": ""}, 400, "input"),
     ({"truncation": "auto"}, 400, "truncation"),
     ({"background": True, "store": False}, 400, "background"),
-    ({"background": True, "stream": True}, 400, "stream"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
     (
@@ -709,4 +708,60 @@ def test_a_reasoning_item_sent_back_is_dropped(served: tuple[Live, openai.OpenAI
     assert sent_back.usage.input_tokens == plain.usage.input_tokens  # type: ignore[union-attr]
     listed = client.responses.input_items.list(sent_back.id, order="asc")
     assert [item.type for item in listed] == ["message", "reasoning"]
+    wait_clean(live)
+
+
+def test_a_background_stream_is_left_and_taken_up_again(
+    served: tuple[Live, openai.OpenAI, str],
+) -> None:
+    """Closing a background response's stream cancels nothing; `GET ?stream=true`
+    sends its events again after `starting_after`, the same events, while it runs; its
+    cancel ends that stream too."""
+    live, client, model = served
+    body = {
+        "model": model,
+        "input": ASK,
+        "background": True,
+        "stream": True,
+        "max_output_tokens": 3000,
+        "ignore_eos": True,
+        **GREEDY,
+    }
+    with live.client() as http:
+        seen: list[dict[str, Any]] = []
+        with http.stream("POST", "/v1/responses", json=body) as stream:
+            request_id = stream.headers["X-Request-Id"]
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                if sum(e["type"] == "response.output_text.delta" for e in seen) == 3:
+                    break
+        response_id = seen[0]["response"]["id"]
+        wait_tokens(http, request_id, 6)  # it ran on, unread
+        assert http.get(f"/requests/{request_id}").json()["status"] == "running"
+        last = seen[-1]["sequence_number"]
+        path = f"/v1/responses/{response_id}"
+        with http.stream("GET", path, params={"stream": "true", "starting_after": last}) as again:
+            first = None
+            resumed: list[dict[str, Any]] = []
+            for line in again.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                resumed.append(json.loads(line[6:]))
+                if first is None:
+                    first = resumed[0]
+                    cancelled = client.responses.cancel(response_id)
+                    assert cancelled.status == "cancelled"
+        assert first is not None and first["sequence_number"] == last + 1
+        assert [e["sequence_number"] for e in resumed] == list(
+            range(last + 1, last + 1 + len(resumed))
+        )
+        final = resumed[-1]["response"]
+        assert resumed[-1]["type"] == "response.incomplete" and final["status"] == "cancelled"
+        text = "".join(
+            e["delta"] for e in seen + resumed if e["type"] == "response.output_text.delta"
+        )
+        assert final["output"][0]["content"][0]["text"] == text
+        ended = http.get(path, params={"stream": "true"})
+        assert ended.status_code == 400 and ended.json()["error"]["param"] == "stream"
     wait_clean(live)
