@@ -11,6 +11,9 @@ shows how it stands and `POST /v1/responses/{id}/cancel` cancels it. `DELETE
 runs. The engine's request id is the `X-Request-Id` header, so `DELETE
 /requests/{id}` cancels any response, background or not.
 
+With `truncation: auto`, the oldest turns of a conversation too long for the context
+are dropped (a turn with what answered it) until the answer has room.
+
 A background response may be streamed too; closing that stream cancels nothing, and
 `GET /v1/responses/{id}?stream=true&starting_after=N` streams it again, from event
 N + 1, while it runs.
@@ -49,6 +52,7 @@ from .response_store import ResponseStore, StoredResponse
 from .responses_format import ResponseEvents, ResponseView
 from .responses_schemas import ResponsesBody, conversation, input_items, listed_items
 from .sse import StreamBody, sse_response
+from .tools import ToolPlan
 
 blueprint = Blueprint("responses", __name__, url_prefix="/v1")
 
@@ -84,12 +88,12 @@ async def create_response() -> Any:
     messages = history + conversation(items)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     plan = body.tool_plan.reading(ctx.tool_parser)
-    prompt = await chat_prompt(
-        ctx.engine,
-        [ChatMessage(**message) for message in system + messages],
-        ChatTemplateOptions.model_validate({}),
-        tools=plan.template_tools(),
-    )
+    prompt = await _rendered(ctx, system + messages, plan)
+    if body.truncation == "auto":  # the oldest turns go until the answer has room
+        room = body.max_output_tokens or 1
+        while len(prompt) + room > ctx.engine.max_model_len and len(messages) > 1:
+            messages = _without_oldest_turn(messages)
+            prompt = await _rendered(ctx, system + messages, plan)
     limit = max_tokens(
         ctx.engine, len(prompt), body.max_output_tokens, "input", param="max_output_tokens"
     )
@@ -122,6 +126,27 @@ async def create_response() -> Any:
         if not job.done:
             ctx.engine.cancel_nowait(job.id, reason=disconnect_reason())
     return entry.current(), 200, headers
+
+
+async def _rendered(
+    ctx: ServerContext, messages: list[dict[str, Any]], plan: ToolPlan
+) -> list[int]:
+    """The prompt token ids of `messages`, as the chat route renders them."""
+    return await chat_prompt(
+        ctx.engine,
+        [ChatMessage(**message) for message in messages],
+        ChatTemplateOptions.model_validate({}),
+        tools=plan.template_tools(),
+    )
+
+
+def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` less the first, and less what answered it (assistant turns, tool
+    outputs), so the conversation still opens with a user's (or a system) message."""
+    rest = messages[1:]
+    while len(rest) > 1 and rest[0]["role"] in ("assistant", "tool"):
+        rest = rest[1:]
+    return rest
 
 
 def _check(ctx: ServerContext, body: ResponsesBody) -> None:

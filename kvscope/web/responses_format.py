@@ -102,7 +102,7 @@ class ResponseView:
             "text": {"format": body.text_format.model_dump(by_alias=True, exclude_none=True)},
             "tool_choice": choice.model_dump() if isinstance(choice, BaseModel) else self.plan.mode,
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
-            "truncation": "disabled",
+            "truncation": body.truncation or "disabled",
             "user": body.user,
             "top_logprobs": body.top_logprobs,
             **shown,  # the sampling values it ran with (temperature, top_p)

@@ -157,7 +157,9 @@ class ResponsesBody(BaseModel):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    truncation: Literal["disabled"] | None = Field(None, description="only disabled")
+    truncation: Literal["disabled", "auto"] | None = Field(
+        None, description="auto: the oldest turns go until the answer has room"
+    )
     include: list[Literal["message.output_text.logprobs"]] | None = Field(
         None, description="the output text's log-probabilities"
     )

@@ -387,7 +387,7 @@ def test_function_tools_and_text_formats_constrain_the_output(
 BAD = [
     ({"input": []}, 400, "input"),
     ({"input": ""}, 400, "input"),
-    ({"truncation": "auto"}, 400, "truncation"),
+    ({"truncation": "middle"}, 400, "truncation"),
     ({"background": True, "store": False}, 400, "background"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
@@ -765,3 +765,38 @@ def test_a_background_stream_is_left_and_taken_up_again(
         ended = http.get(path, params={"stream": "true"})
         assert ended.status_code == 400 and ended.json()["error"]["param"] == "stream"
     wait_clean(live)
+
+
+def test_truncation_auto_drops_the_oldest_turns(backend: str, tmp_path: Path) -> None:
+    """A conversation too long for the context (96 tokens here): refused as it is;
+    with `truncation: auto` its oldest turns go, each with its answer, until the
+    answer has room, and the prompt is the chat route's of the turns kept."""
+    turns = []
+    for i in range(4):
+        turns += [
+            {"role": "user", "content": f"Question number {i}, asked at length."},
+            {"role": "assistant", "content": f"Answer number {i}, given at length."},
+        ]
+    turns.append({"role": "user", "content": "And the last one?"})
+    with (
+        running_server(backend, tmp_path, max_model_len=96) as live,
+        live.client() as http,
+    ):
+        body = {"model": "tiny-random", "input": turns, "max_output_tokens": 8}
+        refused = http.post("/v1/responses", json=body)
+        assert refused.status_code == 400, refused.text
+        kept = http.post("/v1/responses", json={**body, "truncation": "auto"}).json()
+        assert kept["truncation"] == "auto" and kept["status"] in ("completed", "incomplete")
+        used = kept["usage"]["input_tokens"]
+        assert used + 8 <= 96
+        tails = {
+            len(turns) - start: http.post("/tokenize", json={"messages": turns[start:]}).json()
+            for start in range(0, len(turns), 2)
+        }
+        fitting = [n for n, t in tails.items() if t["count"] + 8 <= 96]
+        assert used == tails[max(fitting)]["count"]  # as many turns as fit, no fewer
+        assert max(fitting) < len(turns)
+        alone = {**body, "input": "x" * 200, "truncation": "auto"}
+        too_long = http.post("/v1/responses", json=alone)
+        assert too_long.status_code == 400  # one message that does not fit: no turn to drop
+        wait_clean(live)
