@@ -37,7 +37,7 @@ async def chat_prompt(
     rendered chat is smaller than its contents), and a big chat is rendered and
     tokenized off the event loop."""
     plain = [_plain(m) for m in messages]
-    size = sum(len(m["content"]) for m in plain)  # characters: at most its UTF-8 bytes
+    size = chat_size(messages)
     if size > engine.max_prompt_bytes:
         raise InvalidRequest(
             f"the messages hold {size} characters; the limit (max_prompt_bytes) is "
@@ -63,6 +63,12 @@ async def chat_prompt(
     # A rendered chat holds its special tokens itself.
     special = engine.loaded.chat_template is None
     return await engine.encode_text(text, add_special_tokens=special, what="the messages")
+
+
+def chat_size(messages: list[ChatMessage]) -> int:
+    """What `max_prompt_bytes` counts of a chat: its texts' characters (at most their
+    UTF-8 bytes), before any rendering."""
+    return sum(len(message.text) for message in messages)
 
 
 def _plain(message: ChatMessage) -> dict[str, Any]:

@@ -11,8 +11,9 @@ shows how it stands and `POST /v1/responses/{id}/cancel` cancels it. `DELETE
 runs. The engine's request id is the `X-Request-Id` header, so `DELETE
 /requests/{id}` cancels any response, background or not.
 
-With `truncation: auto`, the oldest turns of a conversation too long for the context
-are dropped (a turn with what answered it) until the answer has room.
+With `truncation: auto`, the oldest turns of a conversation too long are dropped (a
+turn with what answered it) until it is within `max_prompt_bytes` and the answer has
+room in the context.
 
 A background response may be streamed too; closing that stream cancels nothing, and
 `GET /v1/responses/{id}?stream=true&starting_after=N` streams it again, from event
@@ -38,7 +39,7 @@ from quart_schema import document_request
 from kvscope import Job
 
 from .auth import current_owner
-from .chat import chat_prompt
+from .chat import chat_prompt, chat_size
 from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
 from .openai import read_openai_body
@@ -88,8 +89,11 @@ async def create_response() -> Any:
     messages = history + conversation(items)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     plan = body.tool_plan.reading(ctx.tool_parser)
+    if body.truncation == "auto":  # the oldest turns go while the chat is too big
+        while len(messages) > 1 and _size(system + messages) > ctx.engine.max_prompt_bytes:
+            messages = _without_oldest_turn(messages)
     prompt = await _rendered(ctx, system + messages, plan)
-    if body.truncation == "auto":  # the oldest turns go until the answer has room
+    if body.truncation == "auto":  # and until the answer has room
         room = body.max_output_tokens or 1
         while len(prompt) + room > ctx.engine.max_model_len and len(messages) > 1:
             messages = _without_oldest_turn(messages)
@@ -138,6 +142,10 @@ async def _rendered(
         ChatTemplateOptions.model_validate({}),
         tools=plan.template_tools(),
     )
+
+
+def _size(messages: list[dict[str, Any]]) -> int:
+    return chat_size([ChatMessage(**message) for message in messages])
 
 
 def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

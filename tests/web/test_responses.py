@@ -767,17 +767,24 @@ def test_a_background_stream_is_left_and_taken_up_again(
     wait_clean(live)
 
 
+TURNS = [
+    *(
+        turn
+        for i in range(4)
+        for turn in (
+            {"role": "user", "content": f"Question number {i}, asked at length."},
+            {"role": "assistant", "content": f"Answer number {i}, given at length."},
+        )
+    ),
+    {"role": "user", "content": "And the last one?"},
+]
+
+
 def test_truncation_auto_drops_the_oldest_turns(backend: str, tmp_path: Path) -> None:
     """A conversation too long for the context (96 tokens here): refused as it is;
     with `truncation: auto` its oldest turns go, each with its answer, until the
     answer has room, and the prompt is the chat route's of the turns kept."""
-    turns = []
-    for i in range(4):
-        turns += [
-            {"role": "user", "content": f"Question number {i}, asked at length."},
-            {"role": "assistant", "content": f"Answer number {i}, given at length."},
-        ]
-    turns.append({"role": "user", "content": "And the last one?"})
+    turns = TURNS
     with (
         running_server(backend, tmp_path, max_model_len=96) as live,
         live.client() as http,
@@ -799,4 +806,26 @@ def test_truncation_auto_drops_the_oldest_turns(backend: str, tmp_path: Path) ->
         alone = {**body, "input": "x" * 200, "truncation": "auto"}
         too_long = http.post("/v1/responses", json=alone)
         assert too_long.status_code == 400  # one message that does not fit: no turn to drop
+        wait_clean(live)
+
+
+def test_truncation_auto_keeps_a_chat_within_max_prompt_bytes(backend: str, tmp_path: Path) -> None:
+    """The byte limit counts a chat's texts before rendering: `truncation: auto` drops
+    the oldest turns until they fit it too."""
+    with (
+        running_server(backend, tmp_path, max_prompt_bytes=150) as live,
+        live.client() as http,
+    ):
+        body = {"model": "tiny-random", "input": TURNS, "max_output_tokens": 2}
+        refused = http.post("/v1/responses", json=body)
+        assert refused.status_code == 400 and "max_prompt_bytes" in refused.text
+        kept = http.post("/v1/responses", json={**body, "truncation": "auto"})
+        assert kept.status_code == 200, kept.text
+        sizes = {
+            start: sum(len(t["content"]) for t in TURNS[start:])
+            for start in range(0, len(TURNS), 2)
+        }
+        start = min(s for s, size in sizes.items() if size <= 150)
+        counted = http.post("/tokenize", json={"messages": TURNS[start:]}).json()["count"]
+        assert kept.json()["usage"]["input_tokens"] == counted
         wait_clean(live)
