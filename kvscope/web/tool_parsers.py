@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -64,47 +65,37 @@ class ToolParser:
     name: str
     #: What opens a call (a tag a stream holds back once it comes).
     tag: str
+    #: Where the calls begin in a text (its end if none) and the calls; text that does
+    #: not parse as calls holds none.
+    read: Callable[[str], tuple[int, Calls]] = attrs.field(repr=False)
     #: The format's markers are special tokens: the request keeps them in its text.
     keeps_special_tokens: bool = False
+    #: A call is the whole message, or none is (Llama 3's): only its start may open one.
+    whole_message: bool = False
 
     def calls(self, text: str) -> tuple[int, Calls]:
-        """Where the calls begin in `text` (its end if none) and the calls; text that
-        does not parse as calls holds none."""
-        if self.name == "hermes":
-            return _hermes(text)
-        if self.name == "mistral":
-            return _mistral(text)
-        return _llama3_json(text)
+        return self.read(text)
 
     def held_from(self, text: str, sent: int) -> int:
         """Of `text`, of which `sent` characters went out as content: where what may
         still become a call begins (the end of `text` if nothing may)."""
-        if self.name == "llama3_json":  # a call is the whole message, or none is
+        if self.whole_message:
             head = text.lstrip()
             may = not head or head.startswith("{") or head.startswith(self.tag)
             return 0 if sent == 0 and (may or self.tag.startswith(head)) else len(text)
         at = text.find(self.tag, sent)
         return at if at >= 0 else len(text) - tag_tail(text, self.tag)
 
-
-HERMES = ToolParser("hermes", "<tool_call>")
-MISTRAL = ToolParser("mistral", "[TOOL_CALLS]", keeps_special_tokens=True)
-LLAMA3_JSON = ToolParser("llama3_json", "<|python_tag|>")
-BY_NAME = {parser.name: parser for parser in (HERMES, MISTRAL, LLAMA3_JSON)}
-
-
-def parser_for(name: str, chat_template: str | None) -> ToolParser:
-    """The parser `name` (one of `PARSERS`); for `auto`, the one the template shows."""
-    if name != "auto":
-        return BY_NAME[name]
-    template = chat_template or ""
-    if MISTRAL.tag in template:
-        return MISTRAL
-    if LLAMA3_JSON.tag in template or "ipython" in template:
-        return LLAMA3_JSON
-    return HERMES
+    def opens_call(self, rest: str) -> bool:
+        """Whether `rest` (the text from `held_from` on) has begun a call, not only a
+        part of its tag."""
+        if self.whole_message:
+            return bool(rest.strip()) and not self.tag.startswith(rest.strip())
+        return rest.startswith(self.tag)
 
 
+#: What opens Mistral's calls, and Llama 3's python tag (before a JSON call).
+MISTRAL_TAG, PYTHON_TAG = "[TOOL_CALLS]", "<|python_tag|>"
 #: vLLM's `hermes` format: one call per block, JSON inside.
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -127,10 +118,10 @@ MISTRAL_CALL = re.compile(r"\s*([A-Za-z0-9_.-]+)\[ARGS\](.*)", re.DOTALL)
 
 
 def _mistral(text: str) -> tuple[int, Calls]:
-    at = text.find(MISTRAL.tag)
+    at = text.find(MISTRAL_TAG)
     if at < 0:
         return len(text), []
-    pieces = [p for p in text[at:].split(MISTRAL.tag) if p.strip()]
+    pieces = [p for p in text[at:].split(MISTRAL_TAG) if p.strip()]
     calls: Calls = []
     try:
         if len(pieces) == 1 and pieces[0].lstrip().startswith("["):
@@ -148,7 +139,7 @@ def _mistral(text: str) -> tuple[int, Calls]:
 
 
 def _llama3_json(text: str) -> tuple[int, Calls]:
-    body = text.strip().removeprefix(LLAMA3_JSON.tag).strip()
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
     if not body.startswith("{"):
         return len(text), []
     decoder, calls, at = json.JSONDecoder(), [], 0
@@ -164,6 +155,24 @@ def _llama3_json(text: str) -> tuple[int, Calls]:
         while at < len(body) and body[at] in " \n\t;":
             at += 1
     return 0, calls
+
+
+HERMES = ToolParser("hermes", "<tool_call>", _hermes)
+MISTRAL = ToolParser("mistral", MISTRAL_TAG, _mistral, keeps_special_tokens=True)
+LLAMA3_JSON = ToolParser("llama3_json", PYTHON_TAG, _llama3_json, whole_message=True)
+BY_NAME = {parser.name: parser for parser in (HERMES, MISTRAL, LLAMA3_JSON)}
+
+
+def parser_for(name: str, chat_template: str | None) -> ToolParser:
+    """The parser `name` (one of `PARSERS`); for `auto`, the one the template shows."""
+    if name != "auto":
+        return BY_NAME[name]
+    template = chat_template or ""
+    if MISTRAL.tag in template:
+        return MISTRAL
+    if LLAMA3_JSON.tag in template or "ipython" in template:
+        return LLAMA3_JSON
+    return HERMES
 
 
 class HeldContent:
@@ -182,17 +191,10 @@ class HeldContent:
         if self.held:
             return ""
         end = self.parser.held_from(self.text, self.sent)
-        if end < len(self.text) and self._opened(end):
+        if end < len(self.text) and self.parser.opens_call(self.text[end:]):
             self.held = True
         piece, self.sent = self.text[self.sent : end], max(self.sent, end)
         return piece
-
-    def _opened(self, end: int) -> bool:
-        """Whether a call has begun at `end` (not only a part of its tag)."""
-        rest = self.text[end:]
-        if self.parser.name == "llama3_json":
-            return bool(rest.strip()) and not self.parser.tag.startswith(rest.strip())
-        return rest.startswith(self.parser.tag)
 
     def rest(self, text: str) -> str:
         """At the end, with the whole `text`: the content still to send (up to the
