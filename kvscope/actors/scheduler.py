@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 
 import attrs
 
@@ -262,6 +263,7 @@ class Scheduler:
         self.prompt_tokens_reused += num_computed
         if seq.num_cached_prompt is None:
             seq.num_cached_prompt = num_computed
+            seq.first_admitted_at = time.perf_counter()
         seq.block_table = list(shared)
         seq.num_computed = num_computed
         seq.num_committed = num_computed // size

@@ -46,6 +46,7 @@ class Sequence:
         "num_prompt_tokens",
         "num_computed",
         "num_cached_prompt",
+        "first_admitted_at",
         "block_table",
         "block_hashes",
         "num_committed",
@@ -80,6 +81,8 @@ class Sequence:
         #: Prompt tokens found computed (a cached prefix, or its parent's) when it was
         #: first admitted; None until then. A preemption's recompute does not count.
         self.num_cached_prompt: int | None = None
+        #: When it was first admitted (`time.perf_counter`); None until then.
+        self.first_admitted_at: float | None = None
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_committed = 0  # leading full blocks registered in the prefix cache

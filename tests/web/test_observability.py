@@ -11,6 +11,7 @@ import pytest
 
 from kvscope.bench.core import prometheus
 from kvscope.web.schemas import Stats
+from kvscope.web.vllm_names import VLLM_NAMES
 
 from .conftest import LONG, Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
 
@@ -136,3 +137,68 @@ def test_stats_and_health_answer_alike_with_and_without_a_body(live: Live) -> No
     fast, routed = answers["/stats", None].json(), answers["/stats", b"{}"].json()
     assert set(fast) == set(routed) == set(Stats.model_json_schema()["properties"])
     assert fast["kv_blocks_total"] == routed["kv_blocks_total"] > 0
+
+
+def test_metrics_also_go_out_under_vllms_names(live: Live) -> None:
+    """Every figure vLLM exposes too is there under vLLM's name, labelled `model_name`
+    and `engine` as vLLM labels it, with the value of kvscope's own (what a dashboard or
+    gateway written for vLLM reads): request counts by vLLM's finish reasons, token
+    counts and their per-request histograms, the phases of a request, the prefix
+    cache's hits."""
+    prompt = "the same prompt, long enough to fill a block or two of the prefix cache"
+    with live.client() as client:
+        for _ in range(2):  # the second finds the first's blocks in the prefix cache
+            answer = client.post(
+                "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            )
+            assert answer.status_code == 200, answer.text
+        gone = client.post("/generate", json={"prompt": "b", **LONG}).json()
+        wait_tokens(client, gone["id"])
+        assert client.get("/metrics").text.count("vllm:num_requests_running{") == 1
+        running = _families(client.get("/metrics").text)["vllm:num_requests_running"]
+        assert [s.value for s in running.samples] == [1.0]
+        client.delete(f"/requests/{gone['id']}")
+        wait_clean(live)
+        text = client.get("/metrics").text
+    families = _families(text)
+    labels = {"model_name": "tiny-random", "engine": "0"}
+
+    def value(name: str, **extra: str) -> float:
+        (sample,) = [
+            s
+            for family in families.values()
+            for s in family.samples
+            if s.name == name and s.labels == labels | extra
+        ]
+        return sample.value
+
+    assert value("vllm:request_success_total", finished_reason="length") == 2
+    assert value("vllm:request_success_total", finished_reason="abort") == 1
+    assert value("vllm:num_requests_running") == 0 and value("vllm:num_requests_waiting") == 0
+    assert value("vllm:kv_cache_usage_perc") == 0
+    prompt_tokens = value("vllm:prompt_tokens_total")
+    generated = value("vllm:generation_tokens_total")
+    assert prompt_tokens > 2 and generated > 8
+    assert value("vllm:prefix_cache_hits_total") >= 16  # at least one block, found again
+    assert value("vllm:prefix_cache_queries_total") == prompt_tokens
+    assert value("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert value("vllm:request_generation_tokens_sum") == generated
+    for phase in ("e2e_request_latency", "request_queue_time", "time_to_first_token"):
+        assert value(f"vllm:{phase}_seconds_count") == 3, phase
+    for phase in ("request_prefill_time", "request_decode_time", "request_inference_time"):
+        assert value(f"vllm:{phase}_seconds_count") == 3, phase  # each had a token
+    assert value("vllm:inter_token_latency_seconds_count") == generated - 3
+    info = {"block_size": "16", "enable_prefix_caching": "True", "cache_dtype": "auto"}
+    assert value("vllm:cache_config_info", **info) == 1
+    # Each of vLLM's figures is a copy of kvscope's own, sample for sample.
+    for ours, theirs in VLLM_NAMES.items():
+        mine = [(s.name.removeprefix(ours), s.value) for s in families[ours].samples]
+        copied = [(s.name.removeprefix(theirs), s.value) for s in families[theirs].samples]
+        assert mine == copied and mine, ours
+
+
+def _families(text: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family for family in text_string_to_metric_families(text)}
