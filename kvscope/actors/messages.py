@@ -146,6 +146,8 @@ class StepStatistics:
     aborted_steps: int
     #: Sequences preempted (their blocks freed, to be recomputed) so far.
     preemptions: int
+    #: Tokens the steps handed to requests so far.
+    tokens_generated: int
     #: The request ids the running step still serves (empty between steps; a request
     #: that ended mid-step has left it).
     in_flight: tuple[str, ...]

@@ -80,6 +80,7 @@ class StepActor:
         self.steps = 0
         self.aborted_steps = 0
         self.preemptions = 0
+        self.tokens_generated = 0
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -110,6 +111,7 @@ class StepActor:
             steps=self.steps,
             aborted_steps=self.aborted_steps,
             preemptions=self.preemptions,
+            tokens_generated=self.tokens_generated,
             # the requests the running step still serves (not those that left it)
             in_flight=tuple(
                 seq.id
@@ -239,6 +241,7 @@ class StepActor:
                     seq.owner.deliver_prompt_logprobs(start, token.prompt_logprobs)
                 if token is not None and token.token is not None:
                     seq.owner.deliver(token.token, token.logprobs)
+                    self.tokens_generated += 1
         self.readers.wake(waiters)
 
     async def _forward(self, work: StepInput) -> list[Sampled | None]:

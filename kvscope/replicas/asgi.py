@@ -48,6 +48,7 @@ from kvscope.web.app import create_app
 from kvscope.web.context import ServerContext, call_deadline
 from kvscope.web.metrics import Metrics
 from kvscope.web.settings import ServerSettings
+from kvscope.web.stats_log import log_stats
 
 from .direct import DirectHosts, DirectListener
 from .ids import REPLICA_HEADER, path_id, routing_key
@@ -225,6 +226,8 @@ class ReplicaApp:
                 self.ctx = app.extensions["kvscope"]
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
+                    if self.settings.stats_log_interval:
+                        tg.start_soon(log_stats, engine, self.settings.stats_log_interval)
                     tg.start_soon(self._drain_when_stopping)
                     self._app = app
                     direct = await self._open_direct(tg)

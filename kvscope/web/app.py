@@ -4,7 +4,8 @@
 WebSocket, OpenAI-compatible, the Responses API, observability, dashboard), the JSON
 error handlers, API keys, quart-schema's OpenAPI document at `/openapi.json`, and the
 body size cap; the `BodyGuard` in front of it refuses an unauthenticated or oversized
-request from its headers alone, before any of its body is read, and `FastPath` behind
+request from its headers alone, before any of its body is read (with `Cors` in front
+where browser origins are allowed, answering their preflights), and `FastPath` behind
 the guard answers `DELETE /requests/{id}`, `GET /stats` and `GET /health` without
 Quart. A POST waits for its admission turn (`ServerContext.admission_turn`) before its
 route runs. The app does not own the engine: `server.Server` opens the engine, then
@@ -33,6 +34,7 @@ from . import (
     websocket,
 )
 from .context import ServerContext, server
+from .cors import Cors
 from .fast_path import FastPath
 from .guard import BodyGuard
 from .metrics import Metrics
@@ -77,6 +79,8 @@ def create_app(
     app.before_request(_admission_turn)
     context = app.extensions["kvscope"]
     app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
+    if settings.cors.enabled:  # in front of the guard: a preflight carries no key
+        app.asgi_app = Cors(app.asgi_app, settings.cors)  # type: ignore[method-assign,assignment]
     routes = (jobs, streaming, websocket, openai, responses, tokens, observability, dashboard)
     for module in routes:
         app.register_blueprint(module.blueprint)

@@ -25,9 +25,10 @@ from kvscope.config import EngineConfig
 from kvscope.options import DEFAULT_MODEL, add_engine_arguments, engine_kwargs
 from kvscope.scheduling import LOOP_PRIORITY
 
+from .cors import CorsPolicy
 from .reasoning import PARSERS as REASONING_PARSERS
 from .server import Server
-from .settings import ServerSettings
+from .settings import STATS_LOG_INTERVAL, ServerSettings
 from .tool_parsers import PARSERS
 
 log = logging.getLogger("kvscope.web")
@@ -117,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="send prompts that share a prefix to one replica where load allows",
     )
+    add_vllm_arguments(parser)
     add_engine_arguments(
         parser,
         defaults={
@@ -127,6 +129,87 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             ),
         },
     )
+
+
+#: vLLM's flags that ask for what kvscope always does (or, for remote code, never
+#: needs): accepted, so that a `vllm serve` command line runs as it is.
+ALWAYS = {
+    "--enable-auto-tool-choice": "tool_choice auto always reads calls (--tool-call-parser)",
+    "--trust-remote-code": "kvscope runs its own model classes, never a checkpoint's code",
+    "--enforce-eager": "the forward always runs eagerly",
+    "--enable-chunked-prefill": "long prompts are always computed in chunks beside decodes",
+    "--enable-prompt-tokens-details": "usage always counts the prompt tokens found cached",
+}
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's `serve` options that kvscope honours, spelled as vLLM spells them."""
+    group = parser.add_argument_group("as vllm serve takes them")
+    group.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origins that may call (CORS): origins, or a JSON list; * for any "
+        "(default: none, where vLLM allows any; docs/security.md)",
+    )
+    group.add_argument(
+        "--allowed-methods", nargs="+", default=["*"], metavar="METHOD", help="(CORS) default *"
+    )
+    group.add_argument(
+        "--allowed-headers", nargs="+", default=["*"], metavar="HEADER", help="(CORS) default *"
+    )
+    group.add_argument(
+        "--allow-credentials", action="store_true", help="(CORS) with cookies and HTTP auth"
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, running, waiting, KV cache, prefix hits)",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        help="no log line for each request's start and end",
+    )
+    group.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        help="a log line for each request's start and end (kvscope's default)",
+    )
+    parser.set_defaults(log_requests=True)
+    for flag, why in ALWAYS.items():
+        group.add_argument(flag, action="store_true", help=f"accepted: {why}")
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        group.add_argument(flag, short, type=int, default=1, help="1: one device serves a model")
+
+
+def vllm_refusals(args: argparse.Namespace) -> str | None:
+    """What of vLLM's options kvscope cannot do, said as an error; None if all can be."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) != 1:
+            flag = "--" + name.replace("_", "-")
+            return (
+                f"{flag} {getattr(args, name)}: kvscope runs a model on one device; for more "
+                "throughput, serve replicas (--replicas N, on Ray Serve)"
+            )
+    return None
+
+
+def _names(values: list[str]) -> tuple[str, ...]:
+    """Names given one by one, comma-separated, or as a JSON list (vLLM's spelling)."""
+    names: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            listed = json.loads(value)
+            if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+                raise ValueError(f"not a JSON list of strings: {value}")
+            names += listed
+        else:
+            names += [name.strip() for name in value.split(",") if name.strip()]
+    return tuple(names)
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:
@@ -145,6 +228,13 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         loop_priority=args.loop_priority,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        cors=CorsPolicy(
+            _names(args.allowed_origins),
+            tuple(m.upper() for m in _names(args.allowed_methods)),
+            _names(args.allowed_headers),
+            args.allow_credentials,
+        ),
+        stats_log_interval=0.0 if args.disable_log_stats else STATS_LOG_INTERVAL,
     )
 
 
@@ -180,6 +270,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     args.model = args.model_tag or args.model or DEFAULT_MODEL
+    refusal = vllm_refusals(args)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    if not args.log_requests:
+        logging.getLogger("kvscope.requests").setLevel(logging.WARNING)
     try:
         settings = settings_from(args)
         kwargs = engine_kwargs(args)

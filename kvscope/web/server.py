@@ -34,6 +34,7 @@ from .app import create_app
 from .context import ServerContext
 from .metrics import Metrics
 from .settings import ServerSettings
+from .stats_log import log_stats
 
 log = logging.getLogger("kvscope.web")
 
@@ -96,6 +97,8 @@ class Server:
             ctx: ServerContext = app.extensions["kvscope"]
             async with anyio.create_task_group() as tg:
                 tg.start_soon(metrics.monitor_loop_lag, self.settings.lag_interval)
+                if self.settings.stats_log_interval:
+                    tg.start_soon(log_stats, engine, self.settings.stats_log_interval)
                 if realtime is not None:
                     tg.start_soon(realtime.hold)
                 tg.start_soon(self._shutdown_when_asked, ctx)

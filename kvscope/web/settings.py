@@ -15,6 +15,7 @@ from attrs import validators as v
 
 from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
+from .cors import CorsPolicy
 from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_parsers import PARSERS
 
@@ -41,6 +42,8 @@ def _slice_seconds(
 #: Seconds between two samples of the event loop's lag (and of `bench cancel`'s
 #: wake-up floor beside it).
 LAG_INTERVAL = 0.05
+#: Seconds between two lines of the periodic stats log (vLLM's interval).
+STATS_LOG_INTERVAL = 10.0
 
 
 @attrs.frozen(kw_only=True)
@@ -77,5 +80,9 @@ class ServerSettings:
     #: How a thinking model's reasoning is told from its answer (`web.reasoning`);
     #: `none` leaves the text whole.
     reasoning_parser: str = attrs.field(default="none", validator=v.in_(REASONING_PARSERS))
+    #: Which browser origins may call, and how (`web.cors`); none unless told.
+    cors: CorsPolicy = attrs.field(factory=CorsPolicy)
+    #: Seconds between two lines of the periodic stats log (`web.stats_log`); 0: none.
+    stats_log_interval: float = attrs.field(default=STATS_LOG_INTERVAL, validator=v.ge(0.0))
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))

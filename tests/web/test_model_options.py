@@ -1,6 +1,7 @@
 """What a vLLM user passes about the model, on the real server: the name it is served
 as (`--served-model-name`), a chat template in place of the checkpoint's
-(`--chat-template`, the template or a file), and the model as `kvscope serve MODEL`."""
+(`--chat-template`, the template or a file), the model as `kvscope serve MODEL`, and
+a `vllm serve` command line as it is."""
 
 from __future__ import annotations
 
@@ -78,3 +79,50 @@ def test_kvscope_serve_takes_the_model_as_vllm_serve_does() -> None:
         [*command, "--model", "bundled"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert twice.returncode == 2 and "given twice" in twice.stderr
+
+
+def test_a_vllm_serve_command_line_runs_as_it_is() -> None:
+    """vLLM's flags for what kvscope always does are accepted; `--disable-log-requests`
+    leaves out the per-request lines; what kvscope cannot do is a clear error."""
+    vllm_flags = [
+        "--host", "127.0.0.1", "--max-model-len", "256", "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes", "--trust-remote-code", "--enforce-eager",
+        "--enable-chunked-prefill", "--enable-prompt-tokens-details", "-tp", "1",
+        "--pipeline-parallel-size", "1", "--disable-log-requests",
+        "--allowed-origins", '["http://app.example", "http://two.example"]',
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "kvscope.cli", "serve", "tiny-random", "--device", "cpu"]
+    process = subprocess.Popen(
+        [*command, "--port", "0", "--worker", "thread", *vllm_flags],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("kvscope serving tiny-random on "), line
+        url = line.split(" on ")[1].split()[0]
+        answer = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3},
+            headers={"Origin": "http://two.example"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["access-control-allow-origin"] == "http://two.example"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        _, log = process.communicate(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "kvscope listening on" in log  # the log is there, without request lines
+    assert "request start" not in log and "request finish" not in log
+    for flag in ("-tp", "--pipeline-parallel-size"):
+        refused = subprocess.run(
+            [*command, flag, "2"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert refused.returncode == 2 and "--replicas" in refused.stderr, refused.stderr

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +204,28 @@ def _families(text: str) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
     return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def test_the_periodic_stats_line(
+    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's periodic stats line: throughput, running and waiting, what ended (and was
+    cancelled), the KV cache in use; written while there is work."""
+    caplog.set_level(logging.INFO, logger="kvscope.stats")
+
+    def line(pattern: str) -> str | None:
+        for record in list(caplog.records):
+            if record.name == "kvscope.stats" and re.search(pattern, record.getMessage()):
+                return record.getMessage()
+        return None
+
+    with running_server(backend, tmp_path, stats_log_interval=0.05) as live:
+        with live.client() as client:
+            job = client.post("/generate", json={"prompt": "b", **LONG}).json()
+            wait_tokens(client, job["id"])
+            busy = r"generation throughput [1-9][\d.]* tokens/s, running 1, waiting 0"
+            assert "KV cache 0.0%" not in wait_for(lambda: line(busy), what="a busy line")
+            client.delete(f"/requests/{job['id']}")
+            ended = r"running 0, waiting 0, ended 1 \(1 cancelled\), KV cache 0.0% in use"
+            wait_for(lambda: line(ended), what="the line after the cancel")
+        wait_clean(live)
