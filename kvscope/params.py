@@ -253,6 +253,17 @@ class SamplingParams:
         default=None, converter=attrs.converters.optional(_strings)
     )
 
+    #: Generate nothing: the request's answer is its prompt's embedding, the last
+    #: token's final hidden state, L2-normalized (how decoder embedding models pool:
+    #: Qwen3-Embedding, e5-mistral, gte-Qwen2; OpenAI's and vLLM's /v1/embeddings).
+    embed: bool = attrs.field(default=False, validator=v.instance_of(bool))
+
+    @embed.validator
+    def _embed_alone(self, _attribute: attrs.Attribute, value: bool) -> None:
+        asked = [name for name in (*GUIDES, "logprobs", "prompt_logprobs") if getattr(self, name)]
+        if value and asked:
+            raise ValueError(f"embed generates no token: it cannot be combined with {asked[0]}")
+
     @guided_choice.validator
     def _one_guide(self, attribute: attrs.Attribute, value: tuple[str, ...] | None) -> None:
         if value is not None:

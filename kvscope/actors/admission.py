@@ -130,9 +130,14 @@ class Admission:
                 params = spec.params
             params.check_vocab(self.loaded.config.vocab_size)
             self.guides.check(params)
-            return params
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
+        if not params.embed and not self.loaded.generates:
+            raise InvalidRequest(
+                f"model {self.loaded.name!r} has no output head (an embedding model): it "
+                "answers embeddings only (POST /v1/embeddings, or embed=True)"
+            )
+        return params
 
     # -- the synchronous part -------------------------------------------------------------
 
@@ -143,7 +148,7 @@ class Admission:
         children); returns it and the task group its task joins. Counts its sequences
         as admitting until their tasks queue them."""
         room = self.max_model_len - len(prompt_ids)
-        if room <= 0:
+        if room < 0 or (room == 0 and not params.embed):  # an embedding needs no room
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}"
             )

@@ -79,6 +79,8 @@ class Completion:
     #: One per prompt token when the request asked for `prompt_logprobs`: None for the
     #: first, and for any the request ended before scoring.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    #: The prompt's embedding, for a request with `embed` that was not cut short.
+    embedding: tuple[float, ...] | None = None
 
     @property
     def completion_tokens(self) -> int:

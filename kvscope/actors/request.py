@@ -134,6 +134,8 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
         )
+        #: With `embed`: the prompt's embedding (float32 values), once computed.
+        self.embedding: array[float] | None = None
         self._decoder = IncrementalDecoder(
             tokenizer, self.prompt_ids, skip_special_tokens=params.skip_special_tokens
         )
@@ -281,6 +283,11 @@ class RequestState:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs[start + 1 : start + 1 + len(logprobs)] = logprobs
 
+    def deliver_embedding(self, embedding: bytes) -> None:
+        """Take the prompt's embedding (an `embed` request): its answer, and its end."""
+        self.embedding = array("f", embedding)
+        self.finish_generation("stop")
+
     def _truncate_at_stop_string(self) -> bool:
         longest = max(len(s) for s in self.params.stop)
         window_start = max(0, self._emitted - longest)
@@ -357,6 +364,7 @@ class RequestState:
             + len(self.children) * 8
             + sum(map(_logprobs_bytes, self.logprobs or ()))
             + sum(map(_logprobs_bytes, self.prompt_logprobs or ()))
+            + (len(self.embedding) * self.embedding.itemsize if self.embedding else 0)
         )
 
     # -- views ------------------------------------------------------------------------
@@ -378,6 +386,7 @@ class RequestState:
             prompt_logprobs=(
                 tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None
             ),
+            embedding=tuple(self.embedding) if self.embedding is not None else None,
         )
 
     def info(self) -> RequestInfo:

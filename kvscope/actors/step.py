@@ -242,6 +242,8 @@ class StepActor:
                 if token is not None and token.token is not None:
                     seq.owner.deliver(token.token, token.logprobs)
                     self.tokens_generated += 1
+                elif token is not None and token.embedding is not None:
+                    seq.owner.deliver_embedding(token.embedding)
         self.readers.wake(waiters)
 
     async def _forward(self, work: StepInput) -> list[Sampled | None]:

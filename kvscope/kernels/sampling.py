@@ -39,12 +39,16 @@ class TokenLogprobs:
 @attrs.frozen
 class Sampled:
     """One chunk's output: its draw (`token` is None for a chunk that reaches no
-    sequence's end) and, for a request that asked for `prompt_logprobs`, those of the
-    prompt tokens its rows predict (`ChunkInput.prompt_targets`)."""
+        sequence's end) and, for a request that asked for `prompt_logprobs`, those of the
+        prompt tokens its rows predict (`ChunkInput.prompt_targets`); for an `embed` request,
+    its embedding instead of a token."""
 
     token: int | None
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    #: For an `embed` request, at its prompt's end: its embedding, float32 values in
+    #: the machine's byte order (and no token).
+    embedding: bytes | None = None
 
 
 class Guide(Protocol):

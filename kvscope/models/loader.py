@@ -45,7 +45,16 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # The decoders alone, as embedding models are saved (e5-mistral, gte-Qwen2,
+    # Qwen3-Embedding): their tensors are named without `model.`, and may have no
+    # output head (`LoadedModel.generates`).
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
+#: The prefix of the decoder's tensors in a `...ForCausalLM` checkpoint.
+DECODER_PREFIX = "model."
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,6 +67,9 @@ class LoadedModel:
     config: ModelConfig
     chat_template: str | None = None
     generation_defaults: dict[str, Any] = attrs.field(factory=dict)
+    #: False for a checkpoint without an output head (an embedding model's decoder):
+    #: it answers embeddings only.
+    generates: bool = True
 
     def render_chat(
         self,
@@ -362,7 +374,11 @@ def load_checkpoint(
     torch_dtype = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
     tokenizer = load_tokenizer(directory, config)
     log.info("loading %s (%s) as %s", directory, config.architecture, torch_dtype)
-    weights = read_safetensors(directory, progress=progress)
+    weights = decoder_weights(read_safetensors(directory, progress=progress))
+    generates = config.tie_word_embeddings or "lm_head.weight" in weights
+    if not generates:
+        log.info("%s has no output head: it answers embeddings only", directory)
+        config = attrs.evolve(config, tie_word_embeddings=True)  # a head never used
     unused = check_weights(config, weights)
     if unused:
         log.warning(
@@ -380,4 +396,16 @@ def load_checkpoint(
         config=config,
         chat_template=read_chat_template(directory, tokenizer.config),
         generation_defaults=defaults,
+        generates=generates,
     )
+
+
+def decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors named as in a `...ForCausalLM` checkpoint: a decoder saved alone
+    (an embedding model's) names its own without `model.`."""
+    if DECODER_PREFIX + "embed_tokens.weight" in weights or "embed_tokens.weight" not in weights:
+        return weights
+    return {
+        name if name == "lm_head.weight" else DECODER_PREFIX + name: tensor
+        for name, tensor in weights.items()
+    }

@@ -188,15 +188,17 @@ class ModelRunner:
         those that ask; `hidden`'s rows are `in_batch`'s chunks, and only those still
         in `live` at the end get an output."""
         rows, samplers, scored, row = [], [], [], 0
+        drawn: dict[int, Sampled] = {}
         for index in in_batch:
             chunk = chunks[index]
             if chunk.prompt_targets:
                 scored.append((index, row))
             row += len(chunk.token_ids)
-            if chunk.sample:
+            if chunk.sample and chunk.params.embed:
+                drawn[index] = Sampled(None, embedding=embedding(hidden[row - 1]))
+            elif chunk.sample:
                 rows.append(row - 1)
                 samplers.append(index)
-        drawn: dict[int, Sampled] = {}
         if rows:
             logits = self.model.logits(
                 hidden[torch.tensor(rows, device=self.device)], pruner, slicer
@@ -207,7 +209,7 @@ class ModelRunner:
                 [chunks[i].generator for i in samplers],
                 [chunks[i].state for i in samplers],
             )
-            drawn = dict(zip(samplers, sampled, strict=True))
+            drawn.update(zip(samplers, sampled, strict=True))
         prompt = self._score_prompts(chunks, scored, hidden, pruner, slicer)
         tokens: list[Sampled | None] = [None] * len(chunks)
         for index in live:  # not released at a checkpoint in the output head
@@ -258,6 +260,11 @@ class ModelRunner:
             block_size=self.kv_cache.block_size,
             device=self.device,
         )
+
+
+def embedding(hidden: torch.Tensor) -> bytes:
+    """A row's final hidden state as an embedding: L2-normalized, float32 bytes."""
+    return torch.nn.functional.normalize(hidden.float(), dim=-1).cpu().numpy().tobytes()
 
 
 class _Pruner:

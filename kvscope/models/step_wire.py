@@ -21,10 +21,11 @@ each request's parameters sent once, the step takes 12 and 16 µs and the answer
   multiprocessing's resource-sharer thread, with an HMAC handshake, per tensor per step
   (measured: most of the parent's GIL time in a step at 32 sampled rows); bytes are
   copied in the pickle;
-* the answer is `("done", tokens, logprobs, states, prompt)`: the token of each row
-  (-1 for a row that drew none), the log-probabilities of the rows that have them by
-  row, the generators' states, and the prompt log-probabilities of the rows that
-  scored their prompt tokens, by row; or `("aborted",)` or `("error", text)`.
+* the answer is `("done", tokens, logprobs, states, prompt, embeddings)`: the token of
+  each row (-1 for a row that drew none), the log-probabilities of the rows that have
+  them by row, the generators' states, the prompt log-probabilities of the rows that
+  scored their prompt tokens, and the embeddings of `embed` rows (float32 bytes), by
+  row; or `("aborted",)` or `("error", text)`.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def encode_answer(tokens: list[Sampled | None], step: StepInput) -> tuple[Any, .
     }
     states = [_bytes(c.generator) if c.generator is not None else None for c in step.chunks]
     prompt = {i: row.prompt_logprobs for i, row in enumerate(tokens) if row and row.prompt_logprobs}
-    return "done", ids, logprobs, states, prompt
+    embeddings = {i: row.embedding for i, row in enumerate(tokens) if row and row.embedding}
+    return "done", ids, logprobs, states, prompt, embeddings
 
 
 def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
@@ -153,14 +155,16 @@ def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
         raise StepAborted
     if kind != "done":
         raise RuntimeError(f"model worker: {message[1]}")
-    _, ids, logprobs, states, prompt = message
+    _, ids, logprobs, states, prompt, embeddings = message
     for chunk, state in zip(step.chunks, states, strict=True):
         if chunk.generator is not None and state is not None:
             chunk.generator.set_state(_tensor(state))
     return [
         None
-        if token < 0 and i not in prompt
-        else Sampled(None if token < 0 else token, logprobs.get(i), prompt.get(i, ()))
+        if token < 0 and i not in prompt and i not in embeddings
+        else Sampled(
+            None if token < 0 else token, logprobs.get(i), prompt.get(i, ()), embeddings.get(i)
+        )
         for i, token in enumerate(ids)
     ]
 

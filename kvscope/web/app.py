@@ -1,7 +1,7 @@
 """The app factory: one Quart app (asyncio) or QuartTrio app (trio) over an open Engine.
 
 `create_app(engine, settings)` wires the blueprints (native jobs, streaming,
-WebSocket, OpenAI-compatible, the Responses API, observability, dashboard), the JSON
+WebSocket, OpenAI-compatible, the Responses API, embeddings, observability, dashboard), the JSON
 error handlers, API keys, quart-schema's OpenAPI document at `/openapi.json`, and the
 body size cap; the `BodyGuard` in front of it refuses an unauthenticated or oversized
 request from its headers alone, before any of its body is read (with `Cors` in front
@@ -24,6 +24,7 @@ from kvscope import Engine
 from . import (
     auth,
     dashboard,
+    embeddings,
     errors,
     jobs,
     observability,
@@ -81,7 +82,17 @@ def create_app(
     app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
     if settings.cors.enabled:  # in front of the guard: a preflight carries no key
         app.asgi_app = Cors(app.asgi_app, settings.cors)  # type: ignore[method-assign,assignment]
-    routes = (jobs, streaming, websocket, openai, responses, tokens, observability, dashboard)
+    routes = (
+        jobs,
+        streaming,
+        websocket,
+        openai,
+        responses,
+        embeddings,
+        tokens,
+        observability,
+        dashboard,
+    )
     for module in routes:
         app.register_blueprint(module.blueprint)
     return app

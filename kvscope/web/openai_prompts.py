@@ -19,25 +19,30 @@ Prompt = str | list[int]
 COMPLETION_MAX_TOKENS = 16
 
 
-def batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
-    """One prompt (text or token ids) or a batch of them, as a list of prompts."""
+def batch(
+    prompt: str | list[int] | list[str] | list[list[int]], *, param: str = "prompt"
+) -> list[Prompt]:
+    """One prompt (text or token ids) or a batch of them, as a list of prompts; `param`
+    is the field that holds them."""
     if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
         return [prompt]  # type: ignore[list-item]
     if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, f"the {param} is empty", param=param)
     return list(prompt)  # type: ignore[arg-type]
 
 
 async def prompt_ids(
-    engine: Engine, prompt: Prompt, *, add_special_tokens: bool = True
+    engine: Engine, prompt: Prompt, *, add_special_tokens: bool = True, param: str = "prompt"
 ) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+            raise ApiError(400, f"the {param} is empty", param=param)
         # Valid Unicode, at most max_prompt_bytes, and tokenized off the loop when big.
-        return await engine.encode_text(prompt, add_special_tokens=add_special_tokens)
+        return await engine.encode_text(
+            prompt, add_special_tokens=add_special_tokens, what=f"the {param}"
+        )
     if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, f"the {param} is empty", param=param)
     return prompt  # the engine checks each id against the vocabulary
 
 

@@ -114,10 +114,19 @@ def train_tokenizer(directory: Path, vocab_size: int = 384) -> None:
 
 
 def build_checkpoint(
-    kind: str, directory: Path, *, seed: int | None = None, **save_kwargs: Any
+    kind: str,
+    directory: Path,
+    *,
+    seed: int | None = None,
+    decoder_alone: bool = False,
+    **save_kwargs: Any,
 ) -> Path:
-    """Save a seeded random `kind` model and the test tokenizer into `directory`."""
+    """Save a seeded random `kind` model and the test tokenizer into `directory`; with
+    `decoder_alone`, its decoder without an output head (`Qwen3Model`, ...), as
+    embedding models are saved."""
     class_name, kwargs = _configs()[kind]
+    if decoder_alone:
+        class_name = class_name.replace("ForCausalLM", "Model")
     train_tokenizer(directory)
     vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
     model_class = getattr(transformers, class_name)

@@ -309,3 +309,67 @@ async def test_bfloat16_loads_and_runs(
         out = await engine.generate(ids, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert len(out.token_ids) == NEW_TOKENS and out.finish_reason == "length"
     assert out.token_ids[0] == hf_greedy(hf, ids, 1)[0]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_embeddings_match_transformers(checkpoints: Any, kind: str, open_engine: Any) -> None:
+    """An `embed` request's answer is `transformers`' last hidden state of the prompt's
+    last token, L2-normalized: computed in prefill chunks of 5 tokens, from a cached
+    prefix, and batched beside a generation that stays `generate`'s."""
+    directory, hf = checkpoints(kind), checkpoints.hf_model(kind)
+    texts = prompts(directory)
+    with torch.no_grad():
+        expected = [
+            torch.nn.functional.normalize(
+                hf.model(torch.tensor([ids])).last_hidden_state[0, -1].float(), dim=-1
+            )
+            for ids in texts
+        ]
+    async with open_engine(
+        str(directory), dtype="float32", block_size=4, max_num_batched_tokens=5
+    ) as engine:
+        results: dict[str, Any] = {}
+
+        async def run(name: str, ids: list[int], **options: Any) -> None:
+            results[name] = await engine.generate(ids, **options)
+
+        async with anyio.create_task_group() as tg:
+            for i, ids in enumerate(texts):
+                tg.start_soon(functools.partial(run, f"embed{i}", ids, embed=True))
+            tg.start_soon(functools.partial(run, "greedy", texts[0], temperature=0, max_tokens=8))
+        again = await engine.generate(texts[1], embed=True)  # its prefix from the cache
+    assert again.cached_tokens > 0
+    for i, reference in enumerate(expected):
+        out = results[f"embed{i}"]
+        assert out.finish_reason == "stop" and out.token_ids == () and out.embedding is not None
+        assert_close(torch.tensor(out.embedding), reference)
+    assert_close(torch.tensor(again.embedding), expected[1])
+    assert list(results["greedy"].token_ids) == hf_greedy(hf, texts[0], 8)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+async def test_a_decoder_saved_alone_answers_embeddings_only(
+    tmp_path: Any, kind: str, open_engine: Any
+) -> None:
+    """An embedding model's checkpoint (the decoder alone, `Qwen3Model`: tensors named
+    without `model.`, no output head) loads; its embeddings are `transformers`'; a
+    generation is refused, saying why."""
+    import transformers
+
+    from kvscope import InvalidRequest
+    from tests.models.conftest import build_checkpoint
+
+    directory = build_checkpoint(kind, tmp_path / kind, decoder_alone=True)
+    hf = transformers.AutoModel.from_pretrained(directory).eval()
+    ids = prompts(directory)[3]
+    with torch.no_grad():
+        last = hf(torch.tensor([ids])).last_hidden_state[0, -1].float()
+    async with open_engine(str(directory), dtype="float32") as engine:
+        out = await engine.generate(ids, embed=True)
+        assert out.embedding is not None
+        assert_close(torch.tensor(out.embedding), torch.nn.functional.normalize(last, dim=-1))
+        with pytest.raises(InvalidRequest, match="embeddings only"):
+            await engine.generate(ids, max_tokens=2)

@@ -1,0 +1,147 @@
+"""OpenAI's `POST /v1/embeddings` (vLLM's too): each input's embedding.
+
+An input is text, token ids, or a batch of either. Each becomes one engine request
+with `embed` (`SamplingParams.embed`): its prompt is computed as any prompt is (in
+chunks, from the prefix cache, batched beside generations), and its answer is the
+last token's final hidden state, L2-normalized, the pooling of decoder embedding
+models (Qwen3-Embedding, e5-mistral, gte-Qwen2). It generates no token and frees its
+blocks as it ends.
+
+* `dimensions` keeps the first d values and normalizes them again (the Matryoshka
+  way; a model trained for it keeps its quality there, as OpenAI's text-embedding-3
+  models do);
+* `encoding_format: base64` sends the float32 values' little-endian bytes, as OpenAI
+  does (the `openai` package asks for it by default);
+* vLLM's `truncate_prompt_tokens`, `add_special_tokens` and `priority`.
+
+Leaving before the answer cancels every input's request (`disconnect`), and
+`DELETE /requests/{id}` cancels one (the `X-Request-Id` header names the first
+input's): the call then answers 409 naming it. An input longer than the context is a
+400, as an unknown field is.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+import time
+from array import array
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from quart import Blueprint
+from quart_schema import document_request
+
+from kvscope import Job
+from kvscope.params import PRIORITY
+
+from .auth import current_owner
+from .context import disconnect_reason, server
+from .errors import ApiError
+from .openai import read_openai_body
+from .openai_prompts import batch, prompt_ids
+from .openai_run import cancel_all
+from .schemas import bounded_field
+
+blueprint = Blueprint("embeddings", __name__, url_prefix="/v1")
+
+
+class EmbeddingBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, token ids, or a batch of either"
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="keep the first d values, normalized")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="vLLM's: keep only each input's last k tokens"
+    )
+    add_special_tokens: bool = Field(True, description="vLLM's: the tokenizer's BOS and such")
+    priority: int = bounded_field(PRIORITY, 0)
+    user: str | None = None  # no effect: accepted as OpenAI's
+
+
+@blueprint.post("/embeddings")
+@document_request(EmbeddingBody)
+async def embeddings() -> Any:
+    """Each input's embedding: the last token's final hidden state, normalized."""
+    ctx = server()
+    engine = ctx.engine
+    body = await read_openai_body(EmbeddingBody)
+    if body.dimensions is not None and body.dimensions > engine.loaded.config.hidden_size:
+        raise ApiError(
+            400,
+            f"dimensions is {body.dimensions}; this model's embeddings have "
+            f"{engine.loaded.config.hidden_size}",
+            param="dimensions",
+        )
+    inputs = []
+    for text in batch(body.input, param="input"):
+        ids = await prompt_ids(
+            engine, text, add_special_tokens=body.add_special_tokens, param="input"
+        )
+        if body.truncate_prompt_tokens is not None:
+            ids = ids[-body.truncate_prompt_tokens :]
+        if len(ids) > engine.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {engine.max_model_len} tokens; "
+                f"an input has {len(ids)} tokens.",
+                param="input",
+            )
+        inputs.append(ids)
+    jobs: list[Job] = []
+    try:
+        for ids in inputs:
+            jobs.append(
+                await engine.submit(
+                    ids, embed=True, max_tokens=1, priority=body.priority, owner=current_owner()
+                )
+            )
+        results = [await job.wait() for job in jobs]
+    finally:
+        if not all(job.done for job in jobs):
+            cancel_all(ctx, jobs, disconnect_reason())
+    data = []
+    for index, result in enumerate(results):
+        if result.embedding is None:
+            raise ApiError(
+                500 if result.finish_reason == "error" else 409,
+                f"request {result.id} ended without its embedding: {result.finish_reason}"
+                + (f" ({result.cancel_reason})" if result.cancel_reason else "")
+                + (f": {result.error}" if result.error else ""),
+                "internal_error" if result.finish_reason == "error" else "conflict_error",
+                param="input",
+            )
+        vector = shortened(result.embedding, body.dimensions)
+        data.append({"object": "embedding", "index": index, "embedding": encoded(vector, body)})
+    prompt_tokens = sum(len(ids) for ids in inputs)
+    answer = {
+        "id": f"embd-{jobs[0].id}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": engine.model_name,
+        "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+    return answer, 200, {"X-Request-Id": jobs[0].id}
+
+
+def shortened(vector: tuple[float, ...], dimensions: int | None) -> tuple[float, ...]:
+    """The first `dimensions` values, L2-normalized again (all of them if None)."""
+    if dimensions is None or dimensions >= len(vector):
+        return vector
+    head = vector[:dimensions]
+    norm = math.sqrt(math.fsum(x * x for x in head)) or 1.0
+    return tuple(x / norm for x in head)
+
+
+def encoded(vector: tuple[float, ...], body: EmbeddingBody) -> list[float] | str:
+    if body.encoding_format == "float":
+        return list(vector)
+    values = array("f", vector)
+    if sys.byteorder == "big":
+        values.byteswap()  # OpenAI's bytes are little-endian
+    return base64.b64encode(values.tobytes()).decode("ascii")
