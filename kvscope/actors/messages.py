@@ -126,6 +126,8 @@ class RequestInfo:
     owner: str | None
     created: float
     error: str | None = None
+    #: With `embed`, once computed: the prompt's embedding.
+    embedding: tuple[float, ...] | None = None
 
     @property
     def tokens_generated(self) -> int:
@@ -134,6 +136,7 @@ class RequestInfo:
     def as_dict(self) -> dict[str, object]:
         data = attrs.asdict(self)
         data["token_ids"] = list(self.token_ids)
+        data["embedding"] = None if self.embedding is None else list(self.embedding)
         data["children"] = list(self.children)
         data["tokens_generated"] = self.tokens_generated
         return data

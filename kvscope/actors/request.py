@@ -386,7 +386,7 @@ class RequestState:
             prompt_logprobs=(
                 tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None
             ),
-            embedding=tuple(self.embedding) if self.embedding is not None else None,
+            embedding=self._embedding(),
         )
 
     def info(self) -> RequestInfo:
@@ -405,7 +405,11 @@ class RequestState:
             owner=self.owner,
             created=self.created_wall,
             error=self.error,
+            embedding=self._embedding(),
         )
+
+    def _embedding(self) -> tuple[float, ...] | None:
+        return tuple(self.embedding) if self.embedding is not None else None
 
 
 def bad_word_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

@@ -89,6 +89,10 @@ class Sampling(Strict):
     guided_json: dict[str, Any] | None = Field(None, description="a JSON schema to match")
     guided_regex: str | None = Field(None, description="a regular expression to match")
     guided_choice: list[str] | None = Field(None, description="answer one of these strings")
+    embed: bool = Field(
+        SamplingParams.default("embed"),
+        description="answer the prompt's embedding (the request's `embedding`), generate nothing",
+    )
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments the client gave (a field it left out
@@ -146,6 +150,8 @@ class RequestView(BaseModel):
     priority: int
     created: float
     error: str | None = None
+    #: With `embed`, once computed: the prompt's embedding.
+    embedding: list[float] | None = None
 
 
 class RequestList(BaseModel):

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Live, wait_clean, wait_for
+from .conftest import Live, wait_clean, wait_for, wait_status
 
 HIDDEN = 64  # the tiny-random model's hidden size
 
@@ -166,4 +166,19 @@ def test_a_delete_cancels_one_input_and_the_call_says_so(live: Live) -> None:
     (answer,) = answers
     assert answer.status_code == 409, answer.text
     assert gone in answer.json()["error"]["message"] and "cancelled" in answer.text
+    wait_clean(live)
+
+
+def test_the_native_api_answers_an_embedding_too(live: Live) -> None:
+    with live.client() as http:
+        job = http.post("/generate", json={"prompt": "a cache of keys", "embed": True})
+        assert job.status_code == 202, job.text
+        info = wait_status(http, job.json()["id"])
+        assert info["status"] == "finished" and info["tokens_generated"] == 0
+        same = http.post("/v1/embeddings", json={"input": "a cache of keys"}).json()
+        assert info["embedding"] == pytest.approx(same["data"][0]["embedding"], abs=1e-5)
+        plain = http.post("/generate", json={"prompt": "a", "max_tokens": 1}).json()
+        assert wait_status(http, plain["id"])["embedding"] is None
+        mixed = http.post("/generate", json={"prompt": "a", "embed": True, "logprobs": 1})
+        assert mixed.status_code == 400 and "embed" in mixed.json()["error"]["message"]
     wait_clean(live)
