@@ -32,6 +32,14 @@ def _keys(value: object) -> dict[str, str]:
     return {key_id(k): k for k in keys}
 
 
+def _cors(value: CorsPolicy | dict[str, object]) -> CorsPolicy:
+    """A policy, or one as `attrs.asdict` left it (replicas get their settings so)."""
+    if isinstance(value, CorsPolicy):
+        return value
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+    return CorsPolicy(**fields)  # type: ignore[arg-type]
+
+
 def _slice_seconds(
     _: object, attribute: attrs.Attribute[float | None], value: float | None
 ) -> None:
@@ -81,7 +89,7 @@ class ServerSettings:
     #: `none` leaves the text whole.
     reasoning_parser: str = attrs.field(default="none", validator=v.in_(REASONING_PARSERS))
     #: Which browser origins may call, and how (`web.cors`); none unless told.
-    cors: CorsPolicy = attrs.field(factory=CorsPolicy)
+    cors: CorsPolicy = attrs.field(factory=CorsPolicy, converter=_cors)
     #: Seconds between two lines of the periodic stats log (`web.stats_log`); 0: none.
     stats_log_interval: float = attrs.field(default=STATS_LOG_INTERVAL, validator=v.ge(0.0))
     #: Retry-After seconds sent with a 429.

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
+
 from kvscope.web.cors import CorsPolicy
+from kvscope.web.settings import ServerSettings
 
 from .conftest import LONG, running_server, wait_clean, wait_tokens
 
@@ -82,3 +85,9 @@ def test_no_origin_is_allowed_unless_told(backend: str, tmp_path: Path) -> None:
         answer = client.get("/v1/models", headers={"Origin": APP})
         assert answer.status_code == 200
         assert "access-control-allow-origin" not in answer.headers
+
+
+def test_a_policy_travels_in_settings_as_replicas_get_them() -> None:
+    """Ray Serve replicas get their settings as `attrs.asdict` makes them."""
+    settings = ServerSettings(cors=CorsPolicy(("http://a.example",), ("GET",), ("x-key",), True))
+    assert ServerSettings(**attrs.asdict(settings)) == settings
