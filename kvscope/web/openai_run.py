@@ -31,6 +31,7 @@ from .openai_schemas import OpenAISampling
 from .reasoning import NONE as NO_REASONING
 from .reasoning import ReasoningParser, ReasoningStream
 from .sse import DONE, StreamBody, encode, sse_response
+from .tool_parsers import CallStream
 from .tools import ToolPlan
 
 Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
@@ -160,9 +161,9 @@ async def stream_chunks(
     """The SSE chunks of the samples as they arrive (interleaved, told apart by
     `index`), the usage chunk if asked, `[DONE]`. With vLLM's `continuous_usage_stats`
     every chunk carries its choice's usage so far. A named function's arguments go out
-    as they come; under `auto` the content does up to where a call may begin, and the
-    calls (with any content left) in one delta at the end; under `required`, all at the
-    end.
+    as they come; under `auto` the content does up to where a call may begin, then each
+    call's name and its arguments as they come (`CallStream`; a call it cannot stream,
+    at the end); under `required`, all at the end.
     With a `reasoning` parser the reasoning goes out as `reasoning_content` deltas, and
     the answer as the content (the tools read from it)."""
     chat = view.chat
@@ -170,6 +171,8 @@ async def stream_chunks(
     whole = tools if tools is not None and tools.calls_tools else None
     auto = whole is not None and whole.mode == "auto"
     held = {i: whole.held_content() for i in range(len(jobs))} if whole and auto else {}
+    single = whole is not None and whole.single
+    calls_of = {i: CallStream(h, single=single) for i, h in held.items()}
     streamed = [0] * len(jobs)  # the tokens each choice has streamed so far
     prompt_lengths = [len(view.prompts[i // body.n]) for i in range(len(jobs))]
 
@@ -216,8 +219,10 @@ async def stream_chunks(
                     yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
             elif whole:
                 content, calls, reason = whole.answer(answer, reason)
-                if index in held:  # `auto`: what was not sent yet of the content
-                    content = held[index].rest(answer) or None
+                if index in held:  # `auto`: what was not sent yet, of the content and calls
+                    stream = calls_of[index]
+                    content = None if stream.opened else held[index].rest(answer) or None
+                    calls = stream.rest(calls)
                 if content or calls:
                     yield framed(index, fmt.chunk(index, content, None, tool_calls=calls))
             finish = framed(index, fmt.chunk(index, None if chat else "", reason))
@@ -236,8 +241,11 @@ async def stream_chunks(
         if whole and whole.streams_arguments and (text or first):
             calls = whole.argument_deltas(text, first)
             yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
-        elif index in held and (piece := held[index].feed(text)):
-            yield framed(index, fmt.chunk(index, piece, None))
+        elif index in held:
+            if piece := held[index].feed(text):
+                yield framed(index, fmt.chunk(index, piece, None))
+            if calls := calls_of[index].advance():
+                yield framed(index, fmt.chunk(index, None, None, tool_calls=calls))
         if whole:
             continue  # sent as arguments or content up to a call, the rest at its end
         if view.wanted and (text or delta.logprobs):

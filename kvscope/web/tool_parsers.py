@@ -13,8 +13,9 @@
 `auto` (the default) picks by the chat template: the one that shows `[TOOL_CALLS]` is
 Mistral's, the one that shows `<|python_tag|>` or `ipython` Llama 3's; otherwise
 Hermes. Each parser also tells a stream which text may still become a call
-(`held_from`), so `HeldContent` sends the content as it comes and holds back the rest.
-Text that does not parse as calls is the content, whole.
+(`held_from`), so `HeldContent` sends the content as it comes and holds back the rest,
+and `CallStream` sends the calls in it as they come: each one's name once whole, then
+its arguments piece by piece. Text that does not parse as calls is the content, whole.
 """
 
 from __future__ import annotations
@@ -201,3 +202,91 @@ class HeldContent:
         first call, or all of it without one)."""
         first, _calls = self.parser.calls(text)
         return text[self.sent : first]
+
+
+#: The head of a call in the JSON formats (Hermes', Mistral's array, Llama 3's): its
+#: name, then the key of its arguments, and the first character of their value.
+CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
+)
+
+
+class CallStream:
+    """(a streamed choice under `auto`) The calls in the text `held` holds back, as
+    they come: a call's name once its head is whole (`CALL_HEAD`), then its arguments'
+    JSON text as the model writes it, up to the object's close, in OpenAI's stream
+    deltas (vLLM's parsers stream so too). A call whose name does not come first, or
+    whose arguments are not an object (Mistral's `name[ARGS]` form), streams nothing
+    from there on: `rest` sends it, and those after it, whole at the end. A call is
+    streamed only once its head is read, so text that never becomes one stays content."""
+
+    def __init__(self, held: HeldContent, *, single: bool = False) -> None:
+        self.held = held
+        self.single = single  # parallel_tool_calls: false: one call at most
+        self.opened = 0  # calls whose names went out
+        self._look_from: int | None = None  # where the next call's head may begin
+        self._sent_to: int | None = None  # the open call's arguments, sent up to here
+        self._depth = 0  # the open arguments' nesting, strings and escapes
+        self._in_string = False
+        self._escaped = False
+        self._stopped = False
+
+    def advance(self) -> list[dict[str, Any]]:
+        """The deltas for what the held text gained since the last call."""
+        held = self.held
+        if not held.held:
+            return []
+        text = held.text
+        if self._look_from is None:
+            self._look_from = held.sent  # where the content stopped
+        deltas: list[dict[str, Any]] = []
+        while not self._stopped:
+            if self._sent_to is None:
+                head = CALL_HEAD.search(text, self._look_from)
+                if head is None:
+                    break
+                if text[head.end()] != "{" or (self.single and self.opened):
+                    self._stopped = True  # the rest goes out whole at the end
+                    break
+                name = json.loads(f'"{head.group(1)}"')
+                deltas.append({"index": self.opened, **tool_call(name, "")})
+                self.opened += 1
+                self._sent_to, self._depth = head.end(), 0
+            end, closed = self._scan(text)
+            if end > self._sent_to:
+                piece = {"arguments": text[self._sent_to : end]}
+                deltas.append({"index": self.opened - 1, "function": piece})
+                self._sent_to = end
+            if not closed:
+                break
+            self._look_from, self._sent_to = end, None
+        return deltas
+
+    def _scan(self, text: str) -> tuple[int, bool]:
+        """How far the open arguments reach in `text`, and whether they closed there."""
+        assert self._sent_to is not None
+        for at in range(self._sent_to, len(text)):
+            char = text[at]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return at + 1, True
+        return len(text), False
+
+    def rest(self, calls: Calls) -> Calls:
+        """At the end, of the calls the whole text holds: those not streamed, each
+        with its index."""
+        return [
+            {"index": index, **call} for index, call in enumerate(calls) if index >= self.opened
+        ]

@@ -17,8 +17,9 @@ The tools reach the chat template as `tools` (as transformers passes them) unles
 
 `parallel_tool_calls: false` keeps one call. Streamed, a named function's arguments
 go out as they come (`argument_deltas`, OpenAI's and vLLM's way); under `auto` the
-content goes out as it comes up to where a call may begin (`HeldContent`), and the
-calls (and any content left) in one delta at the end; under `required`, all at the end.
+content goes out as it comes up to where a call may begin (`HeldContent`), then each
+call's name and its arguments as the model writes them (`CallStream`; a call in a form
+it cannot stream goes out whole at the end); under `required`, all at the end.
 """
 
 from __future__ import annotations

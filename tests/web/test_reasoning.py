@@ -16,7 +16,7 @@ import pytest
 from kvscope.web.reasoning import ReasoningParser, ReasoningStream
 
 from .conftest import Live, running_server, wait_clean
-from .test_tools import WEATHER
+from .test_tools import WEATHER, streamed_calls
 
 QWEN3, R1 = ReasoningParser("qwen3"), ReasoningParser("deepseek_r1")
 OUTPUTS = [
@@ -121,14 +121,19 @@ def test_tool_calls_are_read_from_the_answer(served: tuple[Live, openai.OpenAI])
             deltas = [c.choices[0].delta for c in out if c.choices]
             thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
             content = "".join(d.content or "" for d in deltas)
-            calls = [c for d in deltas for c in d.tool_calls or ()]
+            calls = [
+                (n, a)
+                for n, a, _ in streamed_calls([c for d in deltas for c in d.tool_calls or ()])
+            ]
         else:
             message = out.choices[0].message
             thought = message.model_extra["reasoning_content"]
-            content, calls = message.content, message.tool_calls
+            content = message.content
+            calls = [
+                (c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls
+            ]
         assert thought == f"Use {call} maybe." and content == "Sure."
-        [only] = calls  # the one in the reasoning is no call
-        assert json.loads(only.function.arguments) == {"city": "Rome"}
+        assert calls == [("weather", {"city": "Rome"})]  # the one in the reasoning is no call
     # A schema's output is all answer.
     shaped = client.chat.completions.create(
         model="tiny-random",

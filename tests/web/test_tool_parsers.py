@@ -21,13 +21,14 @@ from kvscope.web.tool_parsers import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    CallStream,
     HeldContent,
     ToolParser,
     parser_for,
 )
 
 from .conftest import ROOT, Live, bundled_with_template, running_server, serve_cli, wait_clean
-from .test_tools import ASK, WEATHER
+from .test_tools import ASK, WEATHER, streamed_calls
 
 ROME = {"city": "Rome"}
 
@@ -87,6 +88,68 @@ def test_a_stream_holds_back_only_what_may_become_a_call() -> None:
     broken = HeldContent(LLAMA3_JSON)
     assert broken.feed("{not json") == ""
     assert broken.rest(broken.text) == "{not json"  # no call: all of it is content
+
+
+STREAMED = {
+    HERMES: 'Checking. <tool_call>\n{"name": "weather", "arguments": {"city": "Rome", '
+    '"days": [1, {"note": "a } and a \\" inside"}]}}\n</tool_call>\n'
+    '<tool_call>{"name": "clock", "arguments": {}}</tool_call>',
+    MISTRAL: 'Checking.[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Rome", '
+    '"days": [1, {"note": "a } and a \\" inside"}]}}, {"name": "clock", "arguments": {}}]',
+    LLAMA3_JSON: '{"name": "weather", "parameters": {"city": "Rome", "days": [1, {"note": '
+    '"a } and a \\" inside"}]}}; {"name": "clock", "parameters": {}}',
+}
+
+
+def fed(parser: ToolParser, text: str, size: int, *, single: bool = False) -> tuple[str, list]:
+    """`text` streamed in pieces of `size` characters: the content sent, and the calls
+    (name, arguments, argument deltas after the one that names it) as a client adds
+    up the deltas."""
+    held = HeldContent(parser)
+    calls = CallStream(held, single=single)
+    content, deltas = "", []
+    for at in range(0, len(text), size):
+        content += held.feed(text[at : at + size])
+        deltas += calls.advance()
+    _first, whole = parser.calls(text)
+    content += "" if calls.opened else held.rest(text)
+    deltas += calls.rest(whole[:1] if single else whole)
+    merged: dict[int, list] = {}
+    for delta in deltas:
+        function = delta["function"]
+        if delta["index"] not in merged:
+            assert delta["id"] and delta["type"] == "function" and function["name"]
+            merged[delta["index"]] = [function["name"], function["arguments"], 0]
+        else:
+            assert set(delta) == {"index", "function"} and set(function) == {"arguments"}
+            merged[delta["index"]][1] += function["arguments"]
+            merged[delta["index"]][2] += 1
+    assert sorted(merged) == list(range(len(merged)))
+    return content, [(name, json.loads(args), n) for name, args, n in merged.values()]
+
+
+@pytest.mark.parametrize("parser", [HERMES, MISTRAL, LLAMA3_JSON], ids=lambda p: p.name)
+def test_calls_stream_as_they_come_in_any_pieces(parser: ToolParser) -> None:
+    text = STREAMED[parser]
+    content, expected = read(parser, text)
+    for size in (1, 2, 3, 5, 8, 13, len(text)):
+        got_content, calls = fed(parser, text, size)
+        assert got_content == content
+        assert [(name, arguments) for name, arguments, _ in calls] == expected
+        if size < 8:  # each call's arguments came in pieces, not whole at the end
+            assert all(pieces > 1 for _, _, pieces in calls[:1]), calls
+    _, [one] = fed(parser, text, 3, single=True)
+    assert one[:2] == expected[0]
+
+
+def test_what_cannot_stream_comes_whole_at_the_end() -> None:
+    newer = '[TOOL_CALLS]weather[ARGS]{"city": "Rome"}[TOOL_CALLS]clock[ARGS]{}'
+    content, calls = fed(MISTRAL, newer, 1)
+    assert (content, calls) == ("", [("weather", ROME, 0), ("clock", {}, 0)])
+    late = '<tool_call>{"arguments": {"city": "Rome"}, "name": "weather"}</tool_call>'
+    assert fed(HERMES, "Hi. " + late, 1) == ("Hi. ", [("weather", ROME, 0)])
+    broken = "Hi. <tool_call>not a call</tool_call>"
+    assert fed(HERMES, broken, 1) == (broken, [])  # never read as a call: content
 
 
 def test_the_chat_template_picks_the_format() -> None:
@@ -151,8 +214,10 @@ def test_calls_are_read_in_the_servers_format(served: tuple[Live, openai.OpenAI,
     )
     deltas = [c.choices[0] for c in stream if c.choices]
     assert "".join(d.delta.content or "" for d in deltas) == (CONTENT[parser] or "")
-    [streamed] = next(d.delta.tool_calls for d in deltas if d.delta.tool_calls)
-    assert json.loads(streamed.function.arguments) == ROME
+    [(name, arguments, pieces)] = streamed_calls(
+        [call for d in deltas for call in d.delta.tool_calls or ()]
+    )
+    assert (name, arguments) == ("weather", ROME) and pieces > 1  # as they came
     assert deltas[-1].finish_reason == "tool_calls"
     wait_clean(live)
 

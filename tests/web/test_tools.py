@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import openai
@@ -45,6 +46,25 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "Weather in Rome?"}]
+
+
+def streamed_calls(parts: list[Any]) -> list[tuple[str, Any, int]]:
+    """A stream's tool-call deltas as calls, by index: each one's name and parsed
+    arguments, and how many deltas its arguments came in. Checks OpenAI's shape: a
+    call's first delta has its id, type and name, the others only more arguments."""
+    calls: dict[int, list[Any]] = {}
+    for part in parts:
+        if part.index not in calls:
+            assert part.id and part.type == "function" and part.function.name, part
+            calls[part.index] = [part.function.name, part.function.arguments or "", 0]
+        else:
+            assert part.id is None and part.function.name is None, part
+            calls[part.index][1] += part.function.arguments
+            calls[part.index][2] += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return [(name, json.loads(args), pieces) for name, args, pieces in calls.values()]
+
+
 #: A conversation in which the assistant called `weather` and got its output.
 PAST_CALL = [
     *ASK,
@@ -178,10 +198,13 @@ def test_auto_finds_hermes_blocks(served: tuple[Live, openai.OpenAI]) -> None:
     deltas = [c.choices[0] for c in stream if c.choices]
     assert "".join(d.delta.content or "" for d in deltas) == "Sure."
     calls_at = [i for i, d in enumerate(deltas) if d.delta.tool_calls]
-    # The content went out as it came, before the calls (at the end).
+    # The content went out as it came, before the call; the call's name once whole,
+    # then its arguments as the model wrote them, over several deltas.
     assert [i for i, d in enumerate(deltas) if d.delta.content] < calls_at
-    [streamed] = deltas[calls_at[0]].delta.tool_calls
-    assert json.loads(streamed.function.arguments) == {"city": "Rome"}
+    [(name, arguments, pieces)] = streamed_calls(
+        [call for d in deltas for call in d.delta.tool_calls or ()]
+    )
+    assert (name, arguments) == ("weather", {"city": "Rome"}) and pieces > 1
     assert deltas[-1].finish_reason == "tool_calls"
     no_call = client.chat.completions.create(
         model="model",
