@@ -13,8 +13,10 @@ item's `added` and `done` events around its parts; and the final snapshot as
 `response.completed`, `response.incomplete` (a cancelled response too, its status
 `cancelled`) or `response.failed`. Every event carries its `sequence_number` and goes
 out as an SSE message whose `event:` is its type; a stream resumed `after` a number
-makes the events before it again (from the request's log, so alike) and sends the rest. Under `tool_choice: auto` the text
-goes out up to where a call may begin (`HeldContent`) and the calls come at the end.
+makes the events before it again (from the request's log, so alike) and sends the
+rest. Under `tool_choice: auto` the text goes out up to where a call may begin
+(`HeldContent`), then each call as a `function_call` item once its name is whole, its
+arguments as they come (`CallStream`; a call it cannot stream, whole at the end).
 With a reasoning parser (`reasoning.py`) the reasoning is an item of its own, first,
 streamed as `response.reasoning_text.delta` events and done before the answer's items
 open.
@@ -37,6 +39,7 @@ from .reasoning import NONE as NO_REASONING
 from .reasoning import ReasoningParser, ReasoningStream
 from .responses_schemas import ResponsesBody
 from .sse import dumps
+from .tool_parsers import CallStream
 from .tools import ToolPlan
 
 #: The response status each finish reason leads to.
@@ -232,6 +235,10 @@ class ResponseEvents:
         self.logprobs: list[dict[str, Any]] = []  # and its tokens' log-probabilities
         self.message: int | None = None  # the message's output index, once opened
         self.held = self.plan.held_content() if self.plan.mode == "auto" else None
+        #: auto: the calls in what `held` holds back, each an item as it comes
+        self.calls = CallStream(self.held, single=self.plan.single) if self.held else None
+        self.call_items: list[int] = []  # the output index of each call streamed
+        self.message_done = False
         split = view.reasoning.splits
         self.thinking = ReasoningStream(view.reasoning) if split else None
         self.thought = ""  # the reasoning sent so far
@@ -271,8 +278,11 @@ class ResponseEvents:
         if mode == "none":
             return out + self._message_text(text, self.view.logprobs(token_ids, logprobs or None))
         if mode == "auto":
-            assert self.held is not None
-            return out + self._message_text(self.held.feed(text))
+            assert self.held is not None and self.calls is not None
+            out += self._message_text(self.held.feed(text))
+            for delta in self.calls.advance():
+                out += self._streamed_call(delta)
+            return out
         if mode == "function" and (text or first):
             return out + self._arguments(text)
         return out  # required: the calls come whole at the end
@@ -296,9 +306,11 @@ class ResponseEvents:
             out += self._arguments_done(self.arguments, item_status)
         else:
             out += self._message_text(self._rest(said, content))
-            if self.message is not None:
+            if self.message is not None and not self.message_done:
                 out += self._message_done(item_status)
-            for name, arguments in calls:
+            for index in self.call_items:
+                out += self._arguments_done(index, item_status)
+            for name, arguments in calls[len(self.call_items) :]:
                 out += self._whole_call(name, arguments, item_status)
         self.final = self.view.final(result)
         self.final["output"] = self.items
@@ -307,7 +319,9 @@ class ResponseEvents:
     def _rest(self, text: str, content: str | None) -> str:
         """The message's text not sent yet, of the whole `text`."""
         if self.held is not None:  # auto: what was held back, up to the first call
-            return self.held.rest(text) if content is not None else ""
+            if self.call_items or content is None:
+                return ""
+            return self.held.rest(text)
         if self.plan.mode == "required":  # nothing was sent: the text, if no calls
             return content or ""
         return text[len(self.text) :]
@@ -328,6 +342,29 @@ class ResponseEvents:
         )
         item["arguments"] = arguments
         return out + self._arguments_done(index, status)
+
+    def _streamed_call(self, delta: dict[str, Any]) -> bytes:
+        """A call as `CallStream` sends it: its item, opened once its name is whole
+        (the message before it done), then its arguments' pieces."""
+        function = delta["function"]
+        if "id" not in delta:
+            index = self.call_items[delta["index"]]
+            item = self.items[index]
+            item["arguments"] += function["arguments"]
+            return self.event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=function["arguments"],
+            )
+        out = self._reasoning_close("completed")
+        if self.message is not None and not self.message_done:
+            out += self._message_done("completed")
+        index = len(self.items)
+        item = self.view.call_item(delta["index"], function["name"], "", "in_progress")
+        self.items.append(item)
+        self.call_items.append(index)
+        return out + self.event("response.output_item.added", output_index=index, item=item)
 
     def _reasoning_text(self, piece: str) -> bytes:
         """A delta of the reasoning, its item opened first if it is not."""
@@ -396,6 +433,7 @@ class ResponseEvents:
 
     def _message_done(self, status: str) -> bytes:
         assert self.message is not None
+        self.message_done = True
         item_id, index = self.view.message_id, self.message
         done = self.event(
             "response.output_text.done",

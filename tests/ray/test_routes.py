@@ -26,6 +26,10 @@ def test_routes_answer_as_on_the_single_server(live: Cluster) -> None:
             json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
         )
         assert chat.status_code == 200, chat.text
+        embedded = client.post("/v1/embeddings", json={"input": ["Hi", "there"]})
+        assert embedded.status_code == 200, embedded.text
+        assert len(embedded.json()["data"]) == 2
+        assert owner_of(embedded.json()["id"].removeprefix("embd-")) in live.replicas()
         bad = client.post("/generate", json={"prompt": ""})
         assert bad.status_code == 400 and bad.json()["error"]["message"]
         unknown = client.get("/requests/req-" + "0" * 32)

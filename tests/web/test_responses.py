@@ -499,11 +499,11 @@ def parsed_events(stream: bytes) -> list[dict[str, Any]]:
     return events
 
 
-def test_under_auto_the_text_streams_up_to_a_call_and_the_calls_come_at_the_end() -> None:
+def test_under_auto_the_text_streams_up_to_a_call_and_then_the_call() -> None:
     """`tool_choice: auto` on a stream, fed the text a model writes: `ResponseEvents`
-    sends the content as it comes, holds back what could open a `<tool_call>`, and
-    ends with the call as a `function_call` item; every event and the final response
-    match the openai package's types."""
+    sends the content as it comes, holds back what could open a `<tool_call>`, then
+    sends the call as a `function_call` item once its name is whole, its arguments as
+    they come; every event and the final response match the openai package's types."""
     body = ResponsesBody.model_validate({"input": ASK, "tools": [WEATHER]})
     view = ResponseView("resp_abc", body, "model", {"temperature": 1.0, "top_p": 1.0})
     events = ResponseEvents(view)
@@ -511,7 +511,8 @@ def test_under_auto_the_text_streams_up_to_a_call_and_the_calls_come_at_the_end(
         "Sure",
         ". <tool",
         '_call>{"name": "weather", ',
-        '"arguments": {"city": "Rome"}}',
+        '"arguments": {"city"',
+        ': "Rome"}}',
         "</tool_call>",
     ]
     stream = events.opening()
@@ -529,6 +530,14 @@ def test_under_auto_the_text_streams_up_to_a_call_and_the_calls_come_at_the_end(
     parsed = parsed_events(stream)
     deltas = [e["delta"] for e in parsed if e["type"] == "response.output_text.delta"]
     assert deltas == ["Sure", ". "]  # "<tool" was held back, then the tag came
+    kinds = [e["type"] for e in parsed]
+    added = [i for i, e in enumerate(parsed) if e["type"] == "response.output_item.added"]
+    # The message is done before the call's item opens, as soon as its name is whole
+    # (in the fourth piece), and its arguments come as the model writes them.
+    assert kinds.index("response.output_item.done") < added[1]
+    arguments = [e for e in parsed if e["type"] == "response.function_call_arguments.delta"]
+    assert [e["delta"] for e in arguments] == ['{"city"', ': "Rome"}']
+    assert added[1] < parsed.index(arguments[0])
     assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
     final = Response.model_validate(parsed[-1]["response"])
     assert parsed[-1]["type"] == "response.completed" and final.status == "completed"
