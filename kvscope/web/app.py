@@ -1,7 +1,8 @@
 """The app factory: one Quart app (asyncio) or QuartTrio app (trio) over an open Engine.
 
 `create_app(engine, settings)` wires the blueprints (native jobs, streaming,
-WebSocket, OpenAI-compatible, the Responses API, embeddings, observability, dashboard), the JSON
+WebSocket, OpenAI-compatible, the Responses API, embeddings and scores, SageMaker's
+routes, observability, dashboard), the JSON
 error handlers, API keys, quart-schema's OpenAPI document at `/openapi.json`, and the
 body size cap; the `BodyGuard` in front of it refuses an unauthenticated or oversized
 request from its headers alone, before any of its body is read (with `Cors` in front
@@ -30,6 +31,8 @@ from . import (
     observability,
     openai,
     responses,
+    sagemaker,
+    scores,
     streaming,
     tokens,
     websocket,
@@ -89,6 +92,8 @@ def create_app(
         openai,
         responses,
         embeddings,
+        scores,
+        sagemaker,
         tokens,
         observability,
         dashboard,

@@ -27,8 +27,10 @@ import math
 import sys
 import time
 from array import array
+from collections.abc import Sequence
 from typing import Any, Literal
 
+import attrs
 from pydantic import BaseModel, ConfigDict, Field
 from quart import Blueprint
 from quart_schema import document_request
@@ -37,10 +39,10 @@ from kvscope import Job
 from kvscope.params import PRIORITY
 
 from .auth import current_owner
-from .context import disconnect_reason, server
+from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
 from .openai import read_openai_body
-from .openai_prompts import batch, prompt_ids
+from .openai_prompts import Prompt, batch, check_batch, prompt_ids
 from .openai_run import cancel_all
 from .schemas import bounded_field
 
@@ -68,28 +70,77 @@ class EmbeddingBody(BaseModel):
 async def embeddings() -> Any:
     """Each input's embedding: the last token's final hidden state, normalized."""
     ctx = server()
-    engine = ctx.engine
     body = await read_openai_body(EmbeddingBody)
-    if body.dimensions is not None and body.dimensions > engine.loaded.config.hidden_size:
+    hidden = ctx.engine.loaded.config.hidden_size
+    if body.dimensions is not None and body.dimensions > hidden:
         raise ApiError(
             400,
-            f"dimensions is {body.dimensions}; this model's embeddings have "
-            f"{engine.loaded.config.hidden_size}",
+            f"dimensions is {body.dimensions}; this model's embeddings have {hidden}",
             param="dimensions",
         )
+    embedded = await embed_inputs(
+        ctx,
+        batch(body.input, param="input"),
+        truncate=body.truncate_prompt_tokens,
+        add_special_tokens=body.add_special_tokens,
+        priority=body.priority,
+        param="input",
+    )
+    data = [
+        {
+            "object": "embedding",
+            "index": index,
+            "embedding": encoded(shortened(vector, body.dimensions), body),
+        }
+        for index, vector in enumerate(embedded.vectors)
+    ]
+    answer = {
+        "id": f"embd-{embedded.first_id}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.engine.model_name,
+        "data": data,
+        "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
+    }
+    return answer, 200, {"X-Request-Id": embedded.first_id}
+
+
+@attrs.frozen
+class Embedded:
+    """The embeddings of a call's texts, in order; their prompt tokens, and the first
+    text's request id."""
+
+    vectors: list[tuple[float, ...]]
+    tokens: int
+    first_id: str
+
+
+async def embed_inputs(
+    ctx: ServerContext,
+    texts: Sequence[Prompt],
+    *,
+    truncate: int | None = None,
+    add_special_tokens: bool = True,
+    priority: int = 0,
+    param: str | Sequence[str],
+) -> Embedded:
+    """Each text's embedding, one `embed` request each (`param` names the field that
+    holds them, or each one's, in a 400). Leaving before they are all done cancels them
+    all; one that ends without its embedding (a DELETE) is a 409 naming it."""
+    engine = ctx.engine
+    fields = [param] * len(texts) if isinstance(param, str) else list(param)
+    check_batch(len(texts), fields[-1])
     inputs = []
-    for text in batch(body.input, param="input"):
-        ids = await prompt_ids(
-            engine, text, add_special_tokens=body.add_special_tokens, param="input"
-        )
-        if body.truncate_prompt_tokens is not None:
-            ids = ids[-body.truncate_prompt_tokens :]
+    for text, field in zip(texts, fields, strict=True):
+        ids = await prompt_ids(engine, text, add_special_tokens=add_special_tokens, param=field)
+        if truncate is not None:
+            ids = ids[-truncate:]
         if len(ids) > engine.max_model_len:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {engine.max_model_len} tokens; "
-                f"an input has {len(ids)} tokens.",
-                param="input",
+                f"{field} holds a text of {len(ids)} tokens.",
+                param=field,
             )
         inputs.append(ids)
     jobs: list[Job] = []
@@ -97,36 +148,25 @@ async def embeddings() -> Any:
         for ids in inputs:
             jobs.append(
                 await engine.submit(
-                    ids, embed=True, max_tokens=1, priority=body.priority, owner=current_owner()
+                    ids, embed=True, max_tokens=1, priority=priority, owner=current_owner()
                 )
             )
         results = [await job.wait() for job in jobs]
     finally:
         if not all(job.done for job in jobs):
             cancel_all(ctx, jobs, disconnect_reason())
-    data = []
-    for index, result in enumerate(results):
+    for result in results:
         if result.embedding is None:
+            failed = result.finish_reason == "error"
             raise ApiError(
-                500 if result.finish_reason == "error" else 409,
+                500 if failed else 409,
                 f"request {result.id} ended without its embedding: {result.finish_reason}"
                 + (f" ({result.cancel_reason})" if result.cancel_reason else "")
                 + (f": {result.error}" if result.error else ""),
-                "internal_error" if result.finish_reason == "error" else "conflict_error",
-                param="input",
+                "internal_error" if failed else "conflict_error",
             )
-        vector = shortened(result.embedding, body.dimensions)
-        data.append({"object": "embedding", "index": index, "embedding": encoded(vector, body)})
-    prompt_tokens = sum(len(ids) for ids in inputs)
-    answer = {
-        "id": f"embd-{jobs[0].id}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": engine.model_name,
-        "data": data,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    }
-    return answer, 200, {"X-Request-Id": jobs[0].id}
+    vectors = [result.embedding for result in results if result.embedding is not None]
+    return Embedded(vectors, sum(map(len, inputs)), jobs[0].id)
 
 
 def shortened(vector: tuple[float, ...], dimensions: int | None) -> tuple[float, ...]:

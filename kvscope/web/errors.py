@@ -29,8 +29,9 @@ from kvscope import errors as engine_errors
 log = logging.getLogger("kvscope.web")
 
 
-#: Routes outside `/v1/` whose errors take OpenAI's shape (vLLM's token routes).
-OPENAI_SHAPED = ("/tokenize", "/detokenize")
+#: Routes outside `/v1/` whose errors take OpenAI's shape (vLLM's token and scoring
+#: routes, and SageMaker's invocations).
+OPENAI_SHAPED = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/invocations")
 
 
 class ApiError(Exception):

@@ -1,8 +1,8 @@
 """The prompts of an OpenAI call as token ids, and the context rule for `max_tokens`.
 
-A completions `prompt` is text, token ids, or a batch of either; each becomes a list of
-token ids (text tokenized off the loop when big), cut to its last
-`truncate_prompt_tokens` if asked. `max_tokens` must leave the prompt and the completion
+A completions `prompt` is text, token ids, or a batch of either (at most `MAX_BATCH`);
+each becomes a list of token ids (text tokenized off the loop when big), cut to its
+last `truncate_prompt_tokens` if asked. `max_tokens` must leave the prompt and the completion
 inside the model's context, or the call is a 400 naming both numbers (OpenAI's wording);
 unset, it is what fits (chat) or 16 (completions).
 """
@@ -15,6 +15,10 @@ from .errors import ApiError
 from .openai_schemas import OpenAISampling
 
 Prompt = str | list[int]
+#: Most prompts (or texts to embed) in one call, OpenAI's limit for embeddings: each is
+#: tokenized before any runs, on the event loop when short, so the count bounds a call's
+#: time there (a 1 MiB body holds ~250,000 one-letter prompts).
+MAX_BATCH = 2048
 #: The default `max_tokens` of `/v1/completions` (OpenAI's); chat's is what fits.
 COMPLETION_MAX_TOKENS = 16
 
@@ -28,7 +32,16 @@ def batch(
         return [prompt]  # type: ignore[list-item]
     if not prompt:
         raise ApiError(400, f"the {param} is empty", param=param)
+    check_batch(len(prompt), param)
     return list(prompt)  # type: ignore[arg-type]
+
+
+def check_batch(count: int, param: str) -> None:
+    """A 400 naming `param` if a call holds more than `MAX_BATCH` texts."""
+    if count > MAX_BATCH:
+        raise ApiError(
+            400, f"{param} holds {count} texts; at most {MAX_BATCH} go in one call", param=param
+        )
 
 
 async def prompt_ids(

@@ -291,11 +291,13 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(server.run)
-            device = server.engine.device if server.engine else "?"
+            engine = server.engine
+            device = engine.device if engine else "?"
+            generates = engine.loaded.generates if engine else True
             print(
                 f"kvscope serving {args.model} on {server.url} "
                 f"(device {device}, backend {settings.backend})",
-                *first_steps(server.url, with_key=bool(settings.api_keys)),
+                *first_steps(server.url, with_key=bool(settings.api_keys), generates=generates),
                 sep="\n",
                 flush=True,
             )
@@ -328,12 +330,17 @@ def _stop_resource_tracker() -> None:
         stop()
 
 
-def first_steps(url: str, *, with_key: bool) -> list[str]:
-    """The lines after the listening line: the dashboard, and a completion to stream,
-    both at an address this machine's browser and curl can open."""
+def first_steps(url: str, *, with_key: bool, generates: bool = True) -> list[str]:
+    """The lines after the listening line: the dashboard, and a completion to stream
+    (an embedding, for a model that only embeds), both at an address this machine's
+    browser and curl can open."""
     url = _local_url(url)
-    body = json.dumps({"prompt": EXAMPLE_PROMPT, "max_tokens": 64, "stream": True})
-    curl = f"curl -N {url}/v1/completions -H 'Content-Type: application/json'"
+    if generates:
+        body = json.dumps({"prompt": EXAMPLE_PROMPT, "max_tokens": 64, "stream": True})
+        curl = f"curl -N {url}/v1/completions -H 'Content-Type: application/json'"
+    else:
+        body = json.dumps({"input": EXAMPLE_PROMPT})
+        curl = f"curl {url}/v1/embeddings -H 'Content-Type: application/json'"
     if with_key:  # the key itself is not printed: the shell fills it in
         curl += ' -H "Authorization: Bearer $KVSCOPE_API_KEY"'
     return [f"  dashboard: {url}/", f"  try:       {curl} -d {shlex.quote(body)}"]

@@ -6,16 +6,23 @@ life: leaving before the answer cancels every input's request, a DELETE cancels 
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from .conftest import Live, wait_clean, wait_for, wait_status
+from .conftest import ROOT, Live, wait_clean, wait_for, wait_status
 
 HIDDEN = 64  # the tiny-random model's hidden size
 
@@ -182,3 +189,42 @@ def test_the_native_api_answers_an_embedding_too(live: Live) -> None:
         mixed = http.post("/generate", json={"prompt": "a", "embed": True, "logprobs": 1})
         assert mixed.status_code == 400 and "embed" in mixed.json()["error"]["message"]
     wait_clean(live)
+
+
+def test_an_embedding_model_is_served_for_embeddings_only(tmp_path: Path) -> None:
+    """`kvscope serve` on a decoder saved alone without an output head (as embedding
+    models are): its printed curl line asks for an embedding and works as printed;
+    a completion is a 400 saying why."""
+    pytest.importorskip("transformers")
+    from tests.models.conftest import build_checkpoint
+
+    model = build_checkpoint("qwen3", tmp_path / "embedder", decoder_alone=True)
+    command = [sys.executable, "-m", "kvscope.cli", "serve", str(model), "--device", "cpu"]
+    process = subprocess.Popen(
+        [*command, "--port", "0", "--worker", "thread"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(3)]
+        url = lines[0].split(" on ")[1].split()[0]
+        curl_line = lines[2].removeprefix("  try:       ").strip()
+        assert "/v1/embeddings" in curl_line, lines
+        if shutil.which("curl"):
+            printed = subprocess.run(
+                ["bash", "-c", curl_line], capture_output=True, text=True, timeout=60
+            )
+            assert printed.returncode == 0, printed.stderr
+            assert len(json.loads(printed.stdout)["data"][0]["embedding"]) == HIDDEN
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert refused.status_code == 400 and "embeddings only" in refused.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
