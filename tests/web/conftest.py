@@ -154,12 +154,17 @@ def wait_tokens(client: httpx.Client, request_id: str, n: int = 1) -> dict[str, 
 
 
 def serve_cli(
-    backend: str, *args: str, preexec_fn: Callable[[], None] | None = None
+    backend: str,
+    *args: str,
+    model: str | None = "tiny-random",
+    preexec_fn: Callable[[], None] | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
-    """`kvscope serve` as a child process on the tiny model and a free port, with `args`;
-    the process and its URL once it listens (its stdout's first line says where)."""
+    """`kvscope serve` as a child process on `model` (None: the one `args` name) and a
+    free port, with `args`; the process and its URL once it listens (its stdout's
+    first line says where)."""
+    chosen = ["--model", model] if model is not None else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvscope.cli", "serve", "--model", "tiny-random"]
+        [sys.executable, "-m", "kvscope.cli", "serve", *chosen]
         + ["--device", "cpu", "--port", "0", "--backend", backend, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,

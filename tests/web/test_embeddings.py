@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ROOT, Live, wait_clean, wait_for, wait_status
+from .conftest import Live, serve_cli, wait_clean, wait_for, wait_status
 
 HIDDEN = 64  # the tiny-random model's hidden size
 
@@ -199,20 +197,11 @@ def test_an_embedding_model_is_served_for_embeddings_only(tmp_path: Path) -> Non
     from tests.models.conftest import build_checkpoint
 
     model = build_checkpoint("qwen3", tmp_path / "embedder", decoder_alone=True)
-    command = [sys.executable, "-m", "kvscope.cli", "serve", str(model), "--device", "cpu"]
-    process = subprocess.Popen(
-        [*command, "--port", "0", "--worker", "thread"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process, url = serve_cli("asyncio", str(model), "--worker", "thread", model=None)
     try:
         assert process.stdout is not None
-        lines = [process.stdout.readline() for _ in range(3)]
-        url = lines[0].split(" on ")[1].split()[0]
-        curl_line = lines[2].removeprefix("  try:       ").strip()
+        lines = [process.stdout.readline() for _ in range(2)]  # the dashboard, a try line
+        curl_line = lines[1].removeprefix("  try:       ").strip()
         assert "/v1/embeddings" in curl_line, lines
         if shutil.which("curl"):
             printed = subprocess.run(

@@ -17,7 +17,7 @@ import pytest
 from kvscope import Engine
 from kvscope.models.errors import ModelLoadError
 
-from .conftest import ROOT, running_server, wait_clean
+from .conftest import ROOT, running_server, serve_cli, wait_clean
 
 TEMPLATE = "X{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}Y"
 HI = [{"role": "user", "content": "hi"}]
@@ -91,19 +91,10 @@ def test_a_vllm_serve_command_line_runs_as_it_is() -> None:
         "--pipeline-parallel-size", "1", "--disable-log-requests",
         "--allowed-origins", '["http://app.example", "http://two.example"]',
     ]  # fmt: skip
-    command = [sys.executable, "-m", "kvscope.cli", "serve", "tiny-random", "--device", "cpu"]
-    process = subprocess.Popen(
-        [*command, "--port", "0", "--worker", "thread", *vllm_flags],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    process, url = serve_cli(
+        "asyncio", "tiny-random", "--worker", "thread", *vllm_flags, model=None
     )
     try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("kvscope serving tiny-random on "), line
-        url = line.split(" on ")[1].split()[0]
         answer = httpx.post(
             url + "/v1/completions",
             json={"prompt": "hi", "max_tokens": 3},
@@ -113,14 +104,15 @@ def test_a_vllm_serve_command_line_runs_as_it_is() -> None:
         assert answer.status_code == 200, answer.text
         assert answer.headers["access-control-allow-origin"] == "http://two.example"
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-        _, log = process.communicate(timeout=10)
+        _, log = process.communicate(timeout=60)
+        assert process.returncode == 0, log[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
     assert "kvscope listening on" in log  # the log is there, without request lines
     assert "request start" not in log and "request finish" not in log
+    command = [sys.executable, "-m", "kvscope.cli", "serve", "tiny-random", "--device", "cpu"]
     for flag in ("-tp", "--pipeline-parallel-size"):
         refused = subprocess.run(
             [*command, flag, "2"], cwd=ROOT, capture_output=True, text=True, timeout=120
