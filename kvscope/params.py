@@ -181,7 +181,7 @@ def _json_text(value: Any) -> str | None:
 
 
 #: The structured-output fields, of which a request gives at most one.
-GUIDES = ("guided_json", "guided_regex", "guided_choice")
+GUIDES = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def field_of(exc: ValueError) -> str | None:
@@ -252,6 +252,9 @@ class SamplingParams:
     guided_choice: tuple[str, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(_strings)
     )
+    #: A grammar the whole output must match: Lark (llguidance's), or GBNF as vLLM's
+    #: and llama.cpp's grammars are written (`root ::= ...`).
+    guided_grammar: str | None = attrs.field(default=None, validator=v.optional(v.instance_of(str)))
 
     #: Generate nothing: the request's answer is its prompt's embedding, the last
     #: token's final hidden state, L2-normalized (how decoder embedding models pool:
@@ -265,11 +268,14 @@ class SamplingParams:
             raise ValueError(f"embed generates no token: it cannot be combined with {asked[0]}")
 
     @guided_choice.validator
-    def _one_guide(self, attribute: attrs.Attribute, value: tuple[str, ...] | None) -> None:
+    def _choices(self, attribute: attrs.Attribute, value: tuple[str, ...] | None) -> None:
         if value is not None:
             if not value:
                 raise ValueError("guided_choice must hold at least one string")
             _non_empty_strings(self, attribute, value)
+
+    @guided_grammar.validator
+    def _one_guide(self, _attribute: attrs.Attribute, _value: str | None) -> None:
         given = [name for name in GUIDES if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}; give one guide")

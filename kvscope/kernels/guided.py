@@ -1,8 +1,8 @@
 """Structured output: a request's tokens constrained by a grammar, with llguidance.
 
 `GuideCompiler` (one per engine) owns llguidance's view of the model's tokenizer (built
-on first use) and turns a request's `guided_json` / `guided_regex` / `guided_choice`
-into a grammar; one that cannot compile is a `ValueError` naming the field (a 400 on
+on first use) and turns a request's `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar` (Lark, or GBNF converted to it) into a grammar; one that cannot compile is a `ValueError` naming the field (a 400 on
 the web). `Guide` is one request's matcher. The model step's worker thread asks it for
 the mask of the tokens allowed next (kernels/sampling.py applies it before sampling)
 and tells it the token drawn, so the event loop never computes a mask. A request drops
@@ -104,6 +104,8 @@ class GuideCompiler:
             return self._compile("guided_json", params.guided_json)
         if params.guided_regex is not None:
             return self._compile("guided_regex", params.guided_regex)
+        if params.guided_grammar is not None:
+            return self._compile("guided_grammar", params.guided_grammar)
         return self._compile("guided_choice", json.dumps(params.guided_choice))
 
     def _compile_uncached(self, field: str, source: str) -> str:
@@ -117,6 +119,8 @@ class GuideCompiler:
                 grammar = matcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
             elif field == "guided_regex":
                 grammar = matcher.grammar_from_regex(source)
+            elif field == "guided_grammar":
+                grammar = matcher.grammar_from_lark(_lark(source))
             else:
                 choices = " | ".join(json.dumps(choice) for choice in json.loads(source))
                 grammar = matcher.grammar_from_lark(f"start: {choices}")
@@ -132,6 +136,19 @@ class GuideCompiler:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = _ll_tokenizer(self._tokenizer, self._vocab)
             return self._ll_tokenizer
+
+
+def _lark(grammar: str) -> str:
+    """A grammar as Lark: GBNF (`root ::= ...`, vLLM's and llama.cpp's) converted by
+    llguidance's own converter, Lark as it is."""
+    if "::=" not in grammar:
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return str(gbnf_to_lark(grammar))
+    except Exception as exc:  # the converter raises what its parser does
+        raise ValueError(f"not a GBNF grammar: {exc}") from None
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:

@@ -99,13 +99,11 @@ async def chat_completions() -> Any:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = body.tool_plan.reading(ctx.tool_parser)  # a 400 where tools and tool_choice disagree
-    guided = body.response_format is not None or body.guided_json is not None
-    guided = guided or body.guided_regex is not None or body.guided_choice is not None
-    if tools.guide() is not None and guided:
+    if tools.guide() is not None and body.guide_fields:
         raise ApiError(
             400,
             "a required or named tool_choice constrains the output itself: give no "
-            "response_format or guided_* with it",
+            f"{body.guide_fields[0]} with it",
             param="tool_choice",
         )
     if tools.calls_tools and body.echo:
@@ -121,10 +119,7 @@ async def chat_completions() -> Any:
     plan = (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param))
     # JSON (a schema's, a tool's arguments) has no room for reasoning: all of it is the
     # answer. A regex or a choice constrains the whole text, tags and all.
-    json_out = body.guided_json is not None or tools.guide() is not None
-    json_out = json_out or (
-        body.response_format is not None and body.response_format.type != "text"
-    )
+    json_out = body.json_output or tools.guide() is not None
     reasoning = NO_REASONING if json_out else ctx.reasoning
     return await complete(ctx, [plan], body, chat=True, tools=tools, reasoning=reasoning)
 
@@ -156,8 +151,9 @@ async def _read(model: type[B]) -> B:
         raise ApiError(
             400, "a json_schema response_format needs json_schema", param="response_format"
         )
-    if fmt is not None and fmt.type != "text" and body.guided_json is not None:
-        raise ApiError(400, "give response_format or guided_json, not both", param="guided_json")
+    guides = body.guide_fields
+    if len(guides) > 1:
+        raise ApiError(400, f"give {guides[0]} or {guides[1]}, not both", param=guides[1])
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
     if body.prompt_logprobs is not None and body.stream:

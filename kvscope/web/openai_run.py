@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from kvscope import Engine, Job, merge_streams
-from kvscope.params import SamplingParams, field_of
+from kvscope.params import GUIDES, SamplingParams, field_of
 
 from .auth import current_owner
 from .context import ServerContext, disconnect_reason
@@ -39,20 +39,15 @@ Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
 
 async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str, Any]:
     """The body's `SamplingParams` kwargs, checked here so a bad one names its field."""
-    if body.response_format is not None:
-        schema_field = "response_format"  # what the client sent
-    elif body.guided_json is not None:
-        schema_field = "guided_json"
-    else:
-        schema_field = "tools"  # the schema of a required or named tool call
-    return await check_params(engine, body.sampling(max_tokens), schema_field)
+    given = body.guide_fields  # what the client sent; else a tool call's schema
+    return await check_params(engine, body.sampling(max_tokens), given[0] if given else "tools")
 
 
-async def check_params(engine: Engine, kwargs: dict[str, Any], schema_field: str) -> dict[str, Any]:
+async def check_params(engine: Engine, kwargs: dict[str, Any], guide_field: str) -> dict[str, Any]:
     """`kwargs` once they make valid `SamplingParams` for `engine`'s model: else a 400
-    naming the field (`schema_field` for the JSON schema, which the client sent under
-    its own name). A grammar compiles in a worker thread (a large schema can take a
-    while), into the cache the engine then reads."""
+    naming the field (`guide_field` for the grammar, which the client sent under its
+    own name). A grammar compiles in a worker thread (a large schema can take a while),
+    into the cache the engine then reads."""
     try:
         params = SamplingParams(**kwargs)
         params.check_vocab(engine.loaded.config.vocab_size)
@@ -60,9 +55,7 @@ async def check_params(engine: Engine, kwargs: dict[str, Any], schema_field: str
             await anyio.to_thread.run_sync(engine.guides.check, params)
     except ValueError as exc:
         param = field_of(exc)
-        raise ApiError(
-            400, str(exc), param=schema_field if param == "guided_json" else param
-        ) from None
+        raise ApiError(400, str(exc), param=guide_field if param in GUIDES else param) from None
     return kwargs
 
 

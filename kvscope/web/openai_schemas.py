@@ -51,6 +51,27 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # always strict here: the grammar enforces the schema
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its newer spelling of the `guided_*` fields): one
+    of a JSON schema, a regex, choices or a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def guides(self) -> dict[str, Any]:
+        """As `SamplingParams`' `guided_*` fields."""
+        given = {
+            "guided_json": self.json_,
+            "guided_regex": self.regex,
+            "guided_choice": self.choice,
+            "guided_grammar": self.grammar,
+        }
+        return {name: value for name, value in given.items() if value is not None}
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`; `json_object` is any JSON object."""
 
@@ -116,6 +137,10 @@ class OpenAISampling(BaseModel):
     guided_json: dict[str, Any] | None = Field(None, description="vLLM's: a JSON schema")
     guided_regex: str | None = Field(None, description="vLLM's: a regular expression")
     guided_choice: list[str] | None = Field(None, description="vLLM's: one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's: a Lark or GBNF grammar")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: json, regex, choice or grammar"
+    )
     # No effect on the output: accepted and ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -150,11 +175,37 @@ class OpenAISampling(BaseModel):
             "guided_json": self.guided_json,
             "guided_regex": self.guided_regex,
             "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
         }
         if self.response_format is not None:
             optional["guided_json"] = self.response_format.guide_schema()
         params.update({k: v for k, v in optional.items() if v is not None})
+        if self.structured_outputs is not None:
+            params.update(self.structured_outputs.guides())
         return params
+
+    @property
+    def guide_fields(self) -> list[str]:
+        """The fields the client constrained the output with (at most one may be)."""
+        named = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        given = [name for name in named if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if self.structured_outputs is not None:
+            guides = self.structured_outputs.guides()
+            given += [f"structured_outputs.{name.removeprefix('guided_')}" for name in guides]
+        return given
+
+    @property
+    def json_output(self) -> bool:
+        """The output is constrained to JSON (a schema, `json_object`)."""
+        fmt = self.response_format
+        structured = self.structured_outputs
+        return (
+            self.guided_json is not None
+            or (fmt is not None and fmt.type != "text")
+            or (structured is not None and structured.json_ is not None)
+        )
 
     @property
     def logprobs_wanted(self) -> int | None:

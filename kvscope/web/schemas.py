@@ -89,6 +89,7 @@ class Sampling(Strict):
     guided_json: dict[str, Any] | None = Field(None, description="a JSON schema to match")
     guided_regex: str | None = Field(None, description="a regular expression to match")
     guided_choice: list[str] | None = Field(None, description="answer one of these strings")
+    guided_grammar: str | None = Field(None, description="a Lark or GBNF grammar to match")
     embed: bool = Field(
         SamplingParams.default("embed"),
         description="answer the prompt's embedding (the request's `embedding`), generate nothing",

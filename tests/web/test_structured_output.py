@@ -137,6 +137,67 @@ def test_what_cannot_compile_is_a_400_naming_the_field(served: tuple[Live, opena
         assert response.status_code == 400 and response.json()["error"]["param"] == "guided_choice"
 
 
+GBNF = 'root ::= "SELECT " col " FROM " tbl\ncol ::= "a" | "b"\ntbl ::= "t1" | "t2"'
+LARK = 'start: "SELECT " COL " FROM " TBL\nCOL: "a" | "b"\nTBL: "t1" | "t2"'
+SQL = r"SELECT [ab] FROM t[12]"
+
+
+def test_grammars_and_vllms_structured_outputs(served: tuple[Live, openai.OpenAI]) -> None:
+    """vLLM's `guided_grammar` (GBNF as vLLM's examples write it, or Lark) and its
+    newer `structured_outputs` spelling of every guide."""
+    live, client = served
+    for grammar in (GBNF, LARK):
+        out = client.completions.create(
+            model="bundled",
+            prompt="SQL:",
+            max_tokens=20,
+            seed=3,
+            extra_body={"guided_grammar": grammar},
+        )
+        assert re.fullmatch(SQL, out.choices[0].text), out.choices[0].text
+    chat = client.chat.completions.create(
+        model="bundled",
+        messages=MESSAGES,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"grammar": GBNF}},
+    )
+    assert re.fullmatch(SQL, chat.choices[0].message.content or "")
+    shaped = client.chat.completions.create(
+        model="bundled",
+        messages=MESSAGES,
+        max_tokens=100,
+        seed=1,
+        extra_body={"structured_outputs": {"json": SCHEMA}},
+    )
+    jsonschema.validate(json.loads(shaped.choices[0].message.content or ""), SCHEMA)
+    picked = client.completions.create(
+        model="bundled",
+        prompt="Answer:",
+        max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert picked.choices[0].text in ("yes", "no")
+    with live.client() as http:
+        job = http.post(
+            "/generate", json={"prompt": "SQL:", "guided_grammar": LARK, "max_tokens": 20}
+        ).json()["id"]
+        assert re.fullmatch(SQL, wait_status(http, job)["text"])
+        for body, param in (
+            ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+            ({"structured_outputs": {"grammar": "start: UNDEFINED"}}, "structured_outputs.grammar"),
+            ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs.regex"),
+            (
+                {"guided_regex": "a", "structured_outputs": {"choice": ["b"]}},
+                "structured_outputs.choice",
+            ),
+            ({"structured_outputs": {"xml": "a"}}, "structured_outputs.xml"),
+        ):
+            answer = http.post("/v1/completions", json={"prompt": "x", **body})
+            assert answer.status_code == 400, (body, answer.text)
+            assert answer.json()["error"]["param"] == param, (body, answer.json())
+    wait_clean(live)
+
+
 def test_cancelling_a_constrained_stream_frees_blocks_and_grammar(
     served: tuple[Live, openai.OpenAI],
 ) -> None:
