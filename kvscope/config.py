@@ -111,6 +111,14 @@ class EngineConfig:
     #: A Jinja chat template, or a file holding one, used in place of the checkpoint's
     #: (for a base model that has none, or to change it).
     chat_template: str | None = None
+    #: Where the sampling defaults (temperature, top_p, top_k, min_p) come from, as
+    #: vLLM's `--generation-config`: `auto` the checkpoint's generation_config.json,
+    #: `vllm` none (kvscope's own defaults), or a directory holding a
+    #: generation_config.json.
+    generation_config: str = "auto"
+    #: A JSON object of sampling defaults laid over those (vLLM's
+    #: `--override-generation-config`), e.g. '{"temperature": 0.5}'.
+    override_generation_config: str | None = None
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0
     #: What every generated request id starts with; a replica puts its own name in it

@@ -49,7 +49,11 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
         lambda: load_model(model, device=torch_device, dtype=dtype, seed=engine_config.seed)
     )
     loaded = served_as(
-        loaded, name=engine_config.served_model_name, chat_template=engine_config.chat_template
+        loaded,
+        name=engine_config.served_model_name,
+        chat_template=engine_config.chat_template,
+        generation_config=engine_config.generation_config,
+        override_generation_config=engine_config.override_generation_config,
     )
     worker = None
     if engine_config.worker == "process":

@@ -23,6 +23,8 @@ __all__ = ["ARCHITECTURES", "LoadedModel", "ModelLoadError", "load_model"]
 import attrs
 import torch
 
+from kvscope.params import SamplingParams
+
 from .chat import (
     ChatTemplateError,
     given_chat_template,
@@ -129,15 +131,63 @@ def load_model(
 
 
 def served_as(
-    loaded: LoadedModel, *, name: str | None = None, chat_template: str | None = None
+    loaded: LoadedModel,
+    *,
+    name: str | None = None,
+    chat_template: str | None = None,
+    generation_config: str = "auto",
+    override_generation_config: str | None = None,
 ) -> LoadedModel:
-    """`loaded` under the name it is served as, and with the chat template given (the
-    template itself, or a file holding one; checked to compile) in place of its own."""
+    """`loaded` under the name it is served as, with the chat template given (the
+    template itself, or a file holding one; checked to compile) in place of its own,
+    and its sampling defaults from `generation_config` with the override laid over
+    (`EngineConfig`'s fields of these names)."""
     return attrs.evolve(
         loaded,
         name=name or loaded.name,
         chat_template=given_chat_template(chat_template) if chat_template else loaded.chat_template,
+        generation_defaults=chosen_defaults(
+            loaded.generation_defaults, generation_config, override_generation_config
+        ),
     )
+
+
+def chosen_defaults(own: dict[str, Any], source: str, override: str | None) -> dict[str, Any]:
+    """The sampling defaults: the checkpoint's `own` (`auto`), none (`vllm`), or a
+    directory's generation_config.json's; then `override`'s (JSON) laid over."""
+    if source == "auto":
+        defaults = dict(own)
+    elif source == "vllm":
+        defaults = {}
+    else:
+        path = Path(source) / "generation_config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"generation_config: {source} holds no generation_config.json")
+        defaults = generation_defaults(read_json(path))
+    if override:
+        try:
+            extra = json.loads(override)
+        except ValueError as exc:
+            raise ModelLoadError(f"override_generation_config is not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise ModelLoadError("override_generation_config must be a JSON object")
+        unknown = sorted(set(extra) - set(GENERATION_DEFAULTED))
+        if unknown:
+            raise ModelLoadError(
+                f"override_generation_config sets {unknown[0]}; it takes "
+                f"{', '.join(GENERATION_DEFAULTED)}"
+            )
+        defaults |= extra
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"the sampling defaults are invalid: {exc}") from None
+    return defaults
+
+
+def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+    """What a generation_config.json sets of the sampling defaults."""
+    return {k: generation[k] for k in GENERATION_DEFAULTED if k in generation}
 
 
 # -- tiny-random -----------------------------------------------------------------
@@ -388,7 +438,7 @@ def load_checkpoint(
             unused[0],
         )
     model = LlamaModel(config, weights, dtype=torch_dtype, device=device)
-    defaults: dict[str, Any] = {k: generation[k] for k in GENERATION_DEFAULTED if k in generation}
+    defaults = generation_defaults(generation)
     return LoadedModel(
         name=name or directory.name,
         model=model,

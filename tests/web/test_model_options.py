@@ -5,6 +5,8 @@ a `vllm serve` command line as it is."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import pytest
 
 from kvscope import Engine
 from kvscope.models.errors import ModelLoadError
+from kvscope.models.loader import BUNDLED_DIR
 
 from .conftest import ROOT, running_server, serve_cli, wait_clean
 
@@ -118,3 +121,60 @@ def test_a_vllm_serve_command_line_runs_as_it_is() -> None:
             [*command, flag, "2"], cwd=ROOT, capture_output=True, text=True, timeout=120
         )
         assert refused.returncode == 2 and "--replicas" in refused.stderr, refused.stderr
+
+
+def test_the_sampling_defaults_come_from_where_generation_config_says(
+    backend: str, tmp_path: Path
+) -> None:
+    """vLLM's `--generation-config` (`auto`: the checkpoint's; `vllm`: none; a
+    directory's) and `--override-generation-config` laid over: what a request that
+    leaves the field out samples with (shown by a response, and greedy when the
+    defaults say temperature 0)."""
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED_DIR, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.8}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    cases = [
+        ({}, (0.3, 0.8)),
+        ({"generation_config": "vllm"}, (1.0, 1.0)),
+        ({"generation_config": str(other)}, (0.7, 1.0)),
+        ({"override_generation_config": '{"top_p": 0.5}'}, (0.3, 0.5)),
+    ]
+    for options, shown in cases:
+        with running_server(backend, tmp_path, model=str(model), **options) as live:
+            with live.client() as http:
+                answer = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})
+                assert answer.status_code == 200, answer.text
+                assert (answer.json()["temperature"], answer.json()["top_p"]) == shown, options
+            wait_clean(live)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 1.5}))
+    asked = {"prompt": "def f(", "max_tokens": 12, "ignore_eos": True}
+    for override, kinds in ((None, 3), ('{"temperature": 0}', 1)):
+        with running_server(
+            backend, tmp_path, model=str(model), override_generation_config=override
+        ) as live:
+            with live.client() as http:
+                texts = {
+                    http.post("/v1/completions", json={**asked, **more}).json()["choices"][0][
+                        "text"
+                    ]
+                    for more in ({"seed": 1}, {"seed": 2}, {"temperature": 0})
+                }
+            # The checkpoint's 1.5 samples; the override's 0 is greedy, whatever the seed.
+            assert len(texts) == kinds, (override, texts)
+            wait_clean(live)
+
+
+@pytest.mark.anyio
+async def test_bad_generation_settings_are_refused_at_open() -> None:
+    for options, said in (
+        ({"override_generation_config": '{"max_tokens": 5}'}, "max_tokens"),
+        ({"override_generation_config": "{"}, "not JSON"),
+        ({"override_generation_config": '{"temperature": -1}'}, "temperature"),
+        ({"generation_config": "/nowhere"}, "no generation_config.json"),
+    ):
+        with pytest.raises(ModelLoadError, match=said):
+            async with Engine.open("tiny-random", device="cpu", **options):
+                pass
