@@ -1,6 +1,8 @@
 """OpenAI's `POST /v1/embeddings` (vLLM's too): each input's embedding.
 
-An input is text, token ids, or a batch of either. Each becomes one engine request
+An input is text, token ids, or a batch of either; or, as vLLM takes it, a chat
+(`messages`, rendered by the chat template with vLLM's options, without opening the
+assistant's turn unless `add_generation_prompt`). Each becomes one engine request
 with `embed` (`SamplingParams.embed`): its prompt is computed as any prompt is (in
 chunks, from the prefix cache, batched beside generations), and its answer is the
 last token's final hidden state, L2-normalized, the pooling of decoder embedding
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from quart import Blueprint
 from quart_schema import document_request
 
@@ -39,22 +41,28 @@ from kvscope import Job
 from kvscope.params import PRIORITY
 
 from .auth import current_owner
+from .chat import chat_prompt
 from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
 from .openai import read_openai_body
 from .openai_prompts import Prompt, batch, check_batch, prompt_ids
 from .openai_run import cancel_all
+from .openai_schemas import ChatMessage, ChatTemplateOptions
 from .schemas import bounded_field
 
 blueprint = Blueprint("embeddings", __name__, url_prefix="/v1")
 
 
-class EmbeddingBody(BaseModel):
+class EmbeddingBody(ChatTemplateOptions):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="text, token ids, or a batch of either"
+    input: str | list[str] | list[int] | list[list[int]] | None = Field(
+        None, description="text, token ids, or a batch of either (or messages)"
     )
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="vLLM's: a chat, rendered by the chat template"
+    )
+    add_generation_prompt: bool = Field(False, description="vLLM's: open the assistant's turn")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="keep the first d values, normalized")
     truncate_prompt_tokens: int | None = Field(
@@ -78,13 +86,20 @@ async def embeddings() -> Any:
             f"dimensions is {body.dimensions}; this model's embeddings have {hidden}",
             param="dimensions",
         )
+    if (body.input is None) == (body.messages is None):
+        raise ApiError(400, "give input or messages (one of them)", param="input")
+    if body.messages is not None:
+        texts: list[Prompt] = [await chat_prompt(ctx.engine, body.messages, body)]
+    else:
+        assert body.input is not None
+        texts = batch(body.input, param="input")
     embedded = await embed_inputs(
         ctx,
-        batch(body.input, param="input"),
+        texts,
         truncate=body.truncate_prompt_tokens,
         add_special_tokens=body.add_special_tokens,
         priority=body.priority,
-        param="input",
+        param="input" if body.messages is None else "messages",
     )
     data = [
         {

@@ -217,3 +217,28 @@ def test_an_embedding_model_is_served_for_embeddings_only(tmp_path: Path) -> Non
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_chat_is_embedded_as_its_template_renders_it(live: Live) -> None:
+    """vLLM's chat embeddings: `messages` rendered by the chat template (the assistant's
+    turn left closed unless asked), the same vector as the rendered tokens'."""
+    chat = [{"role": "user", "content": "a cache of keys"}]
+    with live.client() as http:
+        for opens in (False, True):
+            rendered = http.post(
+                "/tokenize", json={"messages": chat, "add_generation_prompt": opens}
+            ).json()["tokens"]
+            body: dict[str, Any] = {"messages": chat}
+            if opens:
+                body["add_generation_prompt"] = True
+            answer = http.post("/v1/embeddings", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["prompt_tokens"] == len(rendered)
+            tokens = http.post("/v1/embeddings", json={"input": rendered}).json()
+            assert answer.json()["data"][0]["embedding"] == pytest.approx(
+                tokens["data"][0]["embedding"], abs=1e-5
+            )
+        for body in ({}, {"input": "a", "messages": chat}):
+            refused = http.post("/v1/embeddings", json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+    wait_clean(live)
