@@ -425,7 +425,10 @@ def load_checkpoint(
     tokenizer = load_tokenizer(directory, config)
     log.info("loading %s (%s) as %s", directory, config.architecture, torch_dtype)
     weights = decoder_weights(read_safetensors(directory, progress=progress))
-    generates = config.tie_word_embeddings or "lm_head.weight" in weights
+    # Only a decoder saved alone may lack the head; a `...ForCausalLM` without one is
+    # a broken checkpoint, refused below.
+    alone = any(a.endswith("Model") for a in hf.get("architectures") or [])
+    generates = config.tie_word_embeddings or "lm_head.weight" in weights or not alone
     if not generates:
         log.info("%s has no output head: it answers embeddings only", directory)
         config = attrs.evolve(config, tie_word_embeddings=True)  # a head never used

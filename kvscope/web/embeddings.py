@@ -54,7 +54,7 @@ blueprint = Blueprint("embeddings", __name__, url_prefix="/v1")
 
 
 class EmbeddingBody(ChatTemplateOptions):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as OpenAISampling: no coercion
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = Field(
         None, description="text, token ids, or a batch of either (or messages)"

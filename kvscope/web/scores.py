@@ -37,7 +37,7 @@ blueprint = Blueprint("scores", __name__)
 
 
 class _Scored(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     truncate_prompt_tokens: int | None = Field(
         None, ge=1, description="vLLM's: keep only each text's last k tokens"
