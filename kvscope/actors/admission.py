@@ -132,6 +132,12 @@ class Admission:
             self.guides.check(params)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
+        differ = self.loaded.embeddings_differ
+        if params.embed and differ is not None:
+            raise InvalidRequest(
+                f"model {self.loaded.name!r} does not embed as kvscope does (the last "
+                f"token's hidden state): {differ}"
+            )
         if not params.embed and not self.loaded.generates:
             raise InvalidRequest(
                 f"model {self.loaded.name!r} has no output head (an embedding model): it "

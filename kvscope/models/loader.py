@@ -72,6 +72,9 @@ class LoadedModel:
     #: False for a checkpoint without an output head (an embedding model's decoder):
     #: it answers embeddings only.
     generates: bool = True
+    #: Why this model's embeddings would not be kvscope's (the last token's hidden
+    #: state, normalized), as its sentence-transformers modules say; None if they are.
+    embeddings_differ: str | None = None
 
     def render_chat(
         self,
@@ -442,6 +445,9 @@ def load_checkpoint(
         )
     model = LlamaModel(config, weights, dtype=torch_dtype, device=device)
     defaults = generation_defaults(generation)
+    differ = sentence_transformers_pooling(directory)
+    if differ is not None:
+        log.warning("%s: its embeddings will be refused: %s", directory, differ)
     return LoadedModel(
         name=name or directory.name,
         model=model,
@@ -450,7 +456,42 @@ def load_checkpoint(
         chat_template=read_chat_template(directory, tokenizer.config),
         generation_defaults=defaults,
         generates=generates,
+        embeddings_differ=differ,
     )
+
+
+#: The sentence-transformers modules kvscope's embeddings agree with: the model, last-
+#: token pooling, normalization.
+AGREEING_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def sentence_transformers_pooling(directory: Path) -> str | None:
+    """Why the embeddings the checkpoint's sentence-transformers modules (`modules.json`)
+    describe are not the last token's hidden state, normalized; None if they are, or if
+    it has no such modules."""
+    path = directory / "modules.json"
+    if not path.is_file():
+        return None
+    try:
+        modules = json.loads(path.read_text())
+        kinds = [str(module["type"]).rsplit(".", 1)[-1] for module in modules]
+        other = [kind for kind in kinds if kind not in AGREEING_MODULES]
+        if other:
+            return f"its sentence-transformers modules include {other[0]}"
+        pooling = next((m for m in modules if str(m["type"]).endswith(".Pooling")), None)
+        if pooling is None:
+            return None
+        config = json.loads((directory / pooling["path"] / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its sentence-transformers modules cannot be read ({exc!r})"
+    modes = sorted(
+        k.removeprefix("pooling_mode_")
+        for k, v in config.items()
+        if k.startswith("pooling_mode_") and v
+    )
+    if modes != ["lasttoken"]:
+        return f"it pools by {' and '.join(modes) or 'nothing'} (its {pooling['path']}/config.json)"
+    return None
 
 
 def decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -373,3 +373,52 @@ async def test_a_decoder_saved_alone_answers_embeddings_only(
         assert_close(torch.tensor(out.embedding), torch.nn.functional.normalize(last, dim=-1))
         with pytest.raises(InvalidRequest, match="embeddings only"):
             await engine.generate(ids, max_tokens=2)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_sentence_transformers_pooling_other_than_the_last_token_is_refused(
+    tmp_path: Any, open_engine: Any
+) -> None:
+    """A checkpoint's sentence-transformers modules say how it embeds: last-token
+    pooling (and normalizing) is kvscope's; mean pooling, or a module kvscope does not
+    run (a Dense projection), would be answered wrongly, so an embedding is refused."""
+    import json
+
+    from kvscope import InvalidRequest
+    from tests.models.conftest import build_checkpoint
+
+    directory = build_checkpoint("qwen3", tmp_path / "st", decoder_alone=True)
+    (directory / "1_Pooling").mkdir()
+    pooling = directory / "1_Pooling" / "config.json"
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
+    modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False}
+    cases = [
+        (modules, {**modes, "pooling_mode_lasttoken": True}, None),
+        (modules, {**modes, "pooling_mode_mean_tokens": True}, "pools by mean_tokens"),
+        ([*modules, dense], {**modes, "pooling_mode_lasttoken": True}, "include Dense"),
+    ]
+    for listed, config, refused in cases:
+        (directory / "modules.json").write_text(json.dumps(listed))
+        pooling.write_text(json.dumps(config))
+        async with open_engine(str(directory), dtype="float32") as engine:
+            if refused is None:
+                assert (await engine.generate([5, 6, 7], embed=True)).embedding is not None
+            else:
+                with pytest.raises(InvalidRequest, match=refused):
+                    await engine.generate([5, 6, 7], embed=True)
