@@ -212,7 +212,8 @@ def test_an_embedding_model_is_served_for_embeddings_only(tmp_path: Path) -> Non
         refused = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
         assert refused.status_code == 400 and "embeddings only" in refused.text
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
+        _, log = process.communicate(timeout=60)  # drained: a full pipe would block it
+        assert process.returncode == 0, log[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
