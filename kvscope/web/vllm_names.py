@@ -19,26 +19,31 @@ from prometheus_client.samples import Sample
 
 from kvscope.config import EngineConfig
 
-#: kvscope's family name -> vLLM's (a counter's family name is without `_total`).
-VLLM_NAMES = {
-    "kvscope_requests_running": "vllm:num_requests_running",
-    "kvscope_queue_depth": "vllm:num_requests_waiting",
-    "kvscope_kv_usage_ratio": "vllm:kv_cache_usage_perc",
-    "kvscope_prefix_cache_queries": "vllm:prefix_cache_queries",
-    "kvscope_prefix_cache_hits": "vllm:prefix_cache_hits",
-    "kvscope_preemptions": "vllm:num_preemptions",
-    "kvscope_prompt_tokens": "vllm:prompt_tokens",
-    "kvscope_generation_tokens": "vllm:generation_tokens",
-    "kvscope_requests": "vllm:request_success",
-    "kvscope_request_prompt_tokens": "vllm:request_prompt_tokens",
-    "kvscope_request_generation_tokens": "vllm:request_generation_tokens",
-    "kvscope_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
-    "kvscope_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
-    "kvscope_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
-    "kvscope_request_queue_time_seconds": "vllm:request_queue_time_seconds",
-    "kvscope_request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
-    "kvscope_request_decode_time_seconds": "vllm:request_decode_time_seconds",
-    "kvscope_request_inference_time_seconds": "vllm:request_inference_time_seconds",
+#: kvscope's family name -> vLLM's names for it (a counter's family name is without
+#: `_total`): the current one first, then names vLLM used before (v0 and early V1),
+#: which dashboards made then still read.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "kvscope_requests_running": ("vllm:num_requests_running",),
+    "kvscope_queue_depth": ("vllm:num_requests_waiting",),
+    "kvscope_kv_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "kvscope_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "kvscope_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "kvscope_preemptions": ("vllm:num_preemptions",),
+    "kvscope_prompt_tokens": ("vllm:prompt_tokens",),
+    "kvscope_generation_tokens": ("vllm:generation_tokens",),
+    "kvscope_requests": ("vllm:request_success",),
+    "kvscope_request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "kvscope_request_generation_tokens": ("vllm:request_generation_tokens",),
+    "kvscope_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "kvscope_inter_token_latency_seconds": (
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+    ),
+    "kvscope_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "kvscope_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "kvscope_request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "kvscope_request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "kvscope_request_inference_time_seconds": ("vllm:request_inference_time_seconds",),
 }
 
 #: kvscope's finish reasons in vLLM's words (`finished_reason`): a cancelled request
@@ -59,8 +64,7 @@ class VllmNames:
         families = list(self._registry.collect())
         yield from families
         for family in families:
-            name = VLLM_NAMES.get(family.name)
-            if name is not None:
+            for name in VLLM_NAMES.get(family.name, ()):
                 yield self._renamed(family, name)
         yield self._cache_config_info()
 
