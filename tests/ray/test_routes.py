@@ -30,6 +30,9 @@ def test_routes_answer_as_on_the_single_server(live: Cluster) -> None:
         assert embedded.status_code == 200, embedded.text
         assert len(embedded.json()["data"]) == 2
         assert owner_of(embedded.json()["id"].removeprefix("embd-")) in live.replicas()
+        ranked = client.post("/rerank", json={"query": "Hi", "documents": ["x", "Hi"]})
+        assert ranked.status_code == 200 and ranked.json()["results"][0]["index"] == 1
+        assert client.get("/ping").json()["ready"] is True
         bad = client.post("/generate", json={"prompt": ""})
         assert bad.status_code == 400 and bad.json()["error"]["message"]
         unknown = client.get("/requests/req-" + "0" * 32)
