@@ -1,8 +1,9 @@
 """`kvscope serve`: parse the server's arguments and run `Server` until it is stopped.
 
 With no flags it serves the bundled model on 127.0.0.1:8000 on asyncio. Keys come
-from `--api-key` (repeatable), `KVSCOPE_API_KEY` (comma-separated) and a key file
-(`--api-key-file` or `KVSCOPE_API_KEY_FILE`; keys there stay out of `ps`). Once it
+from `--api-key` (repeatable), `KVSCOPE_API_KEY` or vLLM's `VLLM_API_KEY`
+(comma-separated) and a key file (`--api-key-file` or `KVSCOPE_API_KEY_FILE`; keys
+there stay out of `ps`). Once it
 listens it prints where and what it runs, the dashboard's URL and a `curl` line that
 streams a completion (a newcomer's next step); it exits 0 after a graceful
 SIGINT/SIGTERM shutdown.
@@ -212,9 +213,14 @@ def _names(values: list[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+#: The environment variables that hold keys (comma-separated): kvscope's, and vLLM's.
+KEY_VARIABLES = ("KVSCOPE_API_KEY", "VLLM_API_KEY")
+
+
 def settings_from(args: argparse.Namespace) -> ServerSettings:
     keys = list(args.api_key)
-    keys += [k for k in os.environ.get("KVSCOPE_API_KEY", "").split(",") if k.strip()]
+    for variable in KEY_VARIABLES:
+        keys += [k for k in os.environ.get(variable, "").split(",") if k.strip()]
     key_file = args.api_key_file or os.environ.get("KVSCOPE_API_KEY_FILE")
     if key_file:
         keys += read_key_file(key_file)
@@ -333,7 +339,8 @@ def _stop_resource_tracker() -> None:
 def first_steps(url: str, *, with_key: bool, generates: bool = True) -> list[str]:
     """The lines after the listening line: the dashboard, and a completion to stream
     (an embedding, for a model that only embeds), both at an address this machine's
-    browser and curl can open."""
+    browser and curl can open. With keys, the curl line reads one from the variable
+    that holds them (`KVSCOPE_API_KEY` unless only `VLLM_API_KEY` is set)."""
     url = _local_url(url)
     if generates:
         body = json.dumps({"prompt": EXAMPLE_PROMPT, "max_tokens": 64, "stream": True})
@@ -342,7 +349,8 @@ def first_steps(url: str, *, with_key: bool, generates: bool = True) -> list[str
         body = json.dumps({"input": EXAMPLE_PROMPT})
         curl = f"curl {url}/v1/embeddings -H 'Content-Type: application/json'"
     if with_key:  # the key itself is not printed: the shell fills it in
-        curl += ' -H "Authorization: Bearer $KVSCOPE_API_KEY"'
+        variable = next((v for v in KEY_VARIABLES if os.environ.get(v)), KEY_VARIABLES[0])
+        curl += f' -H "Authorization: Bearer ${variable}"'
     return [f"  dashboard: {url}/", f"  try:       {curl} -d {shlex.quote(body)}"]
 
 

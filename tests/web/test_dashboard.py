@@ -37,7 +37,7 @@ from websockets.sync.client import connect
 
 import kvscope.models
 from kvscope.models.loader import TINY_CONFIG, random_weights
-from kvscope.web.serve import first_steps
+from kvscope.web.serve import KEY_VARIABLES, first_steps
 
 from .conftest import Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
 
@@ -294,14 +294,19 @@ def dashboard(live: Live, tmp_path: Path) -> None:
             assert page.text("error") == ""
 
 
-@pytest.mark.parametrize("api_key", [None, "first-run-key"])
-def test_serve_prints_next_steps(api_key: str | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("variable", "api_key"),
+    [(None, None), ("KVSCOPE_API_KEY", "first-run-key"), ("VLLM_API_KEY", "vllm-key")],
+)
+def test_serve_prints_next_steps(variable: str | None, api_key: str | None, tmp_path: Path) -> None:
     """`kvscope serve` prints the dashboard's URL and a curl line that works as printed
-    (with a key, the shell fills it in from KVSCOPE_API_KEY; it is never printed)."""
+    (with a key, the shell fills it in from the variable that holds it, kvscope's or
+    vLLM's; it is never printed)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("KVSCOPE_API_KEY", None)
-    if api_key:
-        env["KVSCOPE_API_KEY"] = api_key
+    for name in KEY_VARIABLES:
+        env.pop(name, None)
+    if variable is not None and api_key is not None:
+        env[variable] = api_key
     command = [sys.executable, "-m", "kvscope.cli", "serve", "--model", "tiny-random"]
     process = subprocess.Popen(
         [*command, "--device", "cpu", "--port", "0"],
@@ -321,6 +326,8 @@ def test_serve_prints_next_steps(api_key: str | None, tmp_path: Path) -> None:
         url = lines[0].split()[4]
         assert lines[1] == f"  dashboard: {url}/\n", lines
         assert "kvscope" in httpx.get(f"{url}/", timeout=30).text
+        anonymous = httpx.get(f"{url}/v1/models", timeout=30).status_code
+        assert anonymous == (401 if api_key else 200)  # the variable's key is the server's
         prefix = "  try:       "
         assert lines[2].startswith(prefix + "curl -N ") and "/v1/completions" in lines[2]
         assert api_key is None or api_key not in "".join(lines)
