@@ -2,8 +2,8 @@
 
 `GuideCompiler` (one per engine) owns llguidance's view of the model's tokenizer (built
 on first use) and turns a request's `guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar` (Lark, or GBNF converted to it) into a grammar; one that cannot compile is a `ValueError` naming the field (a 400 on
-the web). `Guide` is one request's matcher. The model step's worker thread asks it for
+`guided_grammar` (Lark, or GBNF converted to it) into a grammar; one that cannot
+compile is a `ValueError` naming the field (a 400 on the web). `Guide` is one request's matcher. The model step's worker thread asks it for
 the mask of the tokens allowed next (kernels/sampling.py applies it before sampling)
 and tells it the token drawn, so the event loop never computes a mask. A request drops
 its guide when it ends, however it ends (`RequestState.mark_ended`); `live_guides()`

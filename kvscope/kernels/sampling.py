@@ -39,9 +39,9 @@ class TokenLogprobs:
 @attrs.frozen
 class Sampled:
     """One chunk's output: its draw (`token` is None for a chunk that reaches no
-        sequence's end) and, for a request that asked for `prompt_logprobs`, those of the
-        prompt tokens its rows predict (`ChunkInput.prompt_targets`); for an `embed` request,
-    its embedding instead of a token."""
+    sequence's end) and, for a request that asked for `prompt_logprobs`, those of the
+    prompt tokens its rows predict (`ChunkInput.prompt_targets`); for an `embed`
+    request, its embedding instead of a token."""
 
     token: int | None
     logprobs: TokenLogprobs | None = None

@@ -83,14 +83,15 @@ class CorsPolicy:
 
 
 class Cors:
-    """The app behind `policy`'s CORS answers (nothing changes where it allows none)."""
+    """The app behind `policy`'s CORS answers (`create_app` puts it there only where the
+    policy allows an origin)."""
 
     def __init__(self, app: Any, policy: CorsPolicy) -> None:
         self.app = app
         self.policy = policy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.policy.enabled:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = _headers(scope)
         origin = headers.get("origin")

@@ -170,6 +170,7 @@ async def embed_inputs(
     finally:
         if not all(job.done for job in jobs):
             cancel_all(ctx, jobs, disconnect_reason())
+    vectors = []
     for result in results:
         if result.embedding is None:
             failed = result.finish_reason == "error"
@@ -180,7 +181,7 @@ async def embed_inputs(
                 + (f": {result.error}" if result.error else ""),
                 "internal_error" if failed else "conflict_error",
             )
-    vectors = [result.embedding for result in results if result.embedding is not None]
+        vectors.append(result.embedding)
     return Embedded(vectors, sum(map(len, inputs)), jobs[0].id)
 
 

@@ -55,7 +55,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` (its newer spelling of the `guided_*` fields): one
     of a JSON schema, a regex, choices or a grammar."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     json_: dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
