@@ -110,3 +110,16 @@ def test_a_pooled_run_says_how_many_streams_ran_at_once() -> None:
     text = tables(result)
     assert "32 concurrent streams" in text and "(2 rounds pooled)" in text
     assert "64 concurrent" not in text
+
+
+def test_a_run_records_the_cpus_vector_extensions() -> None:
+    """Two machines of one model name (AMD EPYC, with and without AVX-512) run other
+    kernel paths: a run says which it had, and its tables' first line shows it."""
+    from kvscope.bench.core.machine import VECTOR_FLAGS, describe
+
+    machine = describe()
+    flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split())
+    assert machine.vector_extensions == [f for f in VECTOR_FLAGS if f in flags]
+    assert machine.summary().startswith(f"kvscope revision {machine.kvscope_revision}; ")
+    if machine.vector_extensions:
+        assert ", ".join(machine.vector_extensions) in machine.summary()

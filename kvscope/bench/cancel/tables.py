@@ -129,7 +129,7 @@ def _footer(run: CancelRun) -> list[str]:
 
 def cancel_tables(result: CancelResult) -> str:
     c = result.config
-    out = [f"kvscope revision {result.machine.kvscope_revision}"]
+    out = [result.machine.summary()]
     for run in result.runs:
         worker = f", worker {run.worker}" if run.worker else ""
         rounds = int(c.get("rounds") or 1)  # the runs' streams are pooled over the rounds

@@ -24,6 +24,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+#: The CPU's vector extensions that decide which paths the kernels take (AVX2 only,
+#: AVX-512 with BF16, AMX tiles): two machines of one model name may differ in them.
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def vector_extensions() -> list[str] | None:
+    """Which of `VECTOR_FLAGS` this CPU has (None where /proc/cpuinfo cannot tell)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [flag for flag in VECTOR_FLAGS if flag in flags]
+    except OSError:
+        pass
+    return None
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -65,6 +83,13 @@ class Machine(Record):
     kvscope_revision: str | None = None
     transformers: str | None = None
     vllm: str | None = None
+    #: `vector_extensions()`: which kernels' paths the figures are of.
+    vector_extensions: list[str] | None = None
+
+    def summary(self) -> str:
+        """The line the tables start with: the revision and the CPU."""
+        isa = f" ({', '.join(self.vector_extensions)})" if self.vector_extensions else ""
+        return f"kvscope revision {self.kvscope_revision}; {self.cpu}{isa}, {self.cores} cores"
 
     @property
     def clean(self) -> bool:
@@ -94,6 +119,7 @@ def describe() -> Machine:
         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         kvscope_revision=git_revision(),
         transformers=transformers_version,
+        vector_extensions=vector_extensions(),
     )
     if not machine.clean:
         print(

@@ -172,7 +172,7 @@ def headline_tables(r: ThroughputResult) -> list[str]:
 
 
 def throughput_tables(r: ThroughputResult) -> str:
-    out = [f"kvscope revision {r.machine.kvscope_revision}", ""]
+    out = [r.machine.summary(), ""]
     out += tokens_table(r) + latency_table(r) + servers_table(r) + overhead_table(r)
     out += paired_table(r) + headline_tables(r)
     out += [f"\nPEER MISSING: {peer}: {why}" for peer, why in r.missing.items()]
