@@ -7,6 +7,8 @@ that names the field, before any model is loaded.
 
 from __future__ import annotations
 
+import json
+
 import attrs
 from attrs import validators as v
 
@@ -17,6 +19,35 @@ _positive = v.gt(0)
 #: Bytes of prompt allowed per token of context when `max_prompt_bytes` is None: more
 #: than any real text needs (English averages about 4), far less than a flood.
 PROMPT_BYTES_PER_TOKEN = 32
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One `--lora-modules` value, as vLLM takes it: `name=path`, or a JSON object
+    with `name` and `path` (its `base_model_name` is this server's model)."""
+    if text.lstrip().startswith("{"):
+        try:
+            given = json.loads(text)
+            return str(given["name"]), str(given["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"lora_modules: {text!r} is not a JSON object with name and path"
+            ) from None
+    name, equals, path = text.partition("=")
+    if not equals or not path:
+        raise ValueError(f"lora_modules: {text!r} is not NAME=PATH")
+    return name, path
+
+
+def _lora_modules(value: object) -> tuple[tuple[str, str], ...]:
+    """(name, path) pairs from a dict or pairs; names unique and not empty."""
+    pairs = list(value.items()) if isinstance(value, dict) else list(value)  # type: ignore[call-overload]
+    modules = tuple((str(name), str(path)) for name, path in pairs)
+    names = [name for name, _ in modules]
+    if any(not name.strip() for name in names):
+        raise ValueError("lora_modules: a LoRA adapter's name must not be empty")
+    if len(set(names)) != len(names):
+        raise ValueError("lora_modules: each LoRA adapter needs a name of its own")
+    return modules
 
 
 @attrs.frozen(kw_only=True)
@@ -119,6 +150,14 @@ class EngineConfig:
     #: A JSON object of sampling defaults laid over those (vLLM's
     #: `--override-generation-config`), e.g. '{"temperature": 0.5}'.
     override_generation_config: str | None = None
+    #: LoRA adapters requests may run with (`SamplingParams.lora`, the OpenAI routes'
+    #: `model`), as vLLM's `--lora-modules`: (name, PEFT adapter directory) pairs, or a
+    #: dict of them.
+    lora_modules: tuple[tuple[str, str], ...] = attrs.field(
+        default=(), converter=_lora_modules, metadata={"parse": lora_module, "nargs": "+"}
+    )
+    #: The largest LoRA rank an adapter may have (vLLM's `--max-lora-rank`); None: any.
+    max_lora_rank: int | None = attrs.field(default=None, validator=v.optional(_positive))
     #: Seed for the random weights of `tiny-random` and for unseeded sampling.
     seed: int = 0
     #: What every generated request id starts with; a replica puts its own name in it

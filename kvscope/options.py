@@ -14,7 +14,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -76,13 +76,34 @@ def add_engine_arguments(
         kind = _value_type(hints[field.name])
         help_text = helps.get(field.name, "")
         default, shown = (defaults or {}).get(field.name, (field.default, "%(default)s"))
-        if kind is bool:
+        if "parse" in field.metadata:  # a value of its own syntax, maybe repeated
+            group.add_argument(
+                flag,
+                type=_said(field.metadata["parse"]),
+                nargs=field.metadata.get("nargs"),
+                default=default,
+                help=help_text,
+            )
+        elif kind is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
         else:
             shown = "" if default is None and field.default is None else f" (default: {shown})"
             group.add_argument(flag, type=kind, default=default, help=help_text + shown)
+
+
+def _said(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` with its `ValueError`'s message shown by argparse (which otherwise says
+    only "invalid value")."""
+
+    def parse_argument(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_argument
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

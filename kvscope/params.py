@@ -260,6 +260,9 @@ class SamplingParams:
     #: token's final hidden state, L2-normalized (how decoder embedding models pool:
     #: Qwen3-Embedding, e5-mistral, gte-Qwen2; OpenAI's and vLLM's /v1/embeddings).
     embed: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    #: The LoRA adapter the request runs with, by the name the engine loaded it under
+    #: (`EngineConfig.lora_modules`); None: the base model.
+    lora: str | None = attrs.field(default=None, validator=v.optional(v.instance_of(str)))
 
     @embed.validator
     def _embed_alone(self, _attribute: attrs.Attribute, value: bool) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import random
 from collections.abc import Callable
 from typing import TypeVar
@@ -46,9 +47,11 @@ class Admission:
         scheduler: Scheduler,
         registry: Registry,
         ledger: Ledger,
+        adapters: dict[str, str],
     ) -> None:
         self.loaded = loaded
         self.config = config
+        self.adapters = adapters  # the engine's table of LoRA adapters
         self.tokenizer = loaded.tokenizer
         self.guides = GuideCompiler(self.tokenizer, loaded.config.vocab_size)
         self.scheduler = scheduler
@@ -132,6 +135,7 @@ class Admission:
             self.guides.check(params)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
+        self._check_adapter(params)
         differ = self.loaded.embeddings_differ
         if params.embed and differ is not None:
             raise InvalidRequest(
@@ -144,6 +148,13 @@ class Admission:
                 "answers embeddings only (POST /v1/embeddings, or embed=True)"
             )
         return params
+
+    def _check_adapter(self, params: SamplingParams) -> None:
+        if params.lora is not None and params.lora not in self.adapters:
+            loaded = ", ".join(repr(name) for name in self.adapters) or "none"
+            raise InvalidRequest(
+                f"lora: no LoRA adapter {params.lora!r} is loaded (loaded: {loaded})"
+            )
 
     # -- the synchronous part -------------------------------------------------------------
 
@@ -165,6 +176,7 @@ class Admission:
             )
         if params.max_tokens > room:  # generate to the context's end, as asked
             params = attrs.evolve(params, max_tokens=room)
+        self._check_adapter(params)  # again: one may have been unloaded since `prepare`
         queued = self.scheduler.num_waiting + self.ledger.admitting
         if queued + spec.samples > self.config.max_queued_requests:
             raise EngineOverloaded(
@@ -188,6 +200,8 @@ class Admission:
     def unadmit(self, state: RequestState, samples: int) -> None:
         """Its task could not start (its parent's group closed meanwhile)."""
         state.root.family_size -= samples
+        if state.params.lora is not None:
+            self.ledger.adapter_users[state.params.lora] -= samples
         self.ledger.admitting -= samples
         self.registry.unreserve(state.id)
 
@@ -243,9 +257,20 @@ class Admission:
             guide=self.guides.guide(params),
         )
         state.root.family_size += 1  # until its task ends
-        if spec.owner is not None and self.config.isolate_prefix_cache:
-            salt = hashlib.blake2b(spec.owner.encode(), digest_size=16).digest()
-            state.seq.cache_salt = salt
+        if params.lora is not None:
+            self.ledger.adapter_users[params.lora] += 1  # until its task ends
+        owner = spec.owner if self.config.isolate_prefix_cache else None
+        state.seq.cache_salt = cache_salt(owner, params.lora)
         if not params.greedy:
             state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
         return state
+
+
+def cache_salt(owner: str | None, lora: str | None) -> bytes | None:
+    """What starts a request's chain of block hashes: only requests with the same
+    salt share cached blocks. The API key's owner, where the prefix cache is kept
+    per key (docs/security.md), and the LoRA adapter, whose K/V differ from the
+    base model's; None for the base model's shared cache."""
+    if owner is None and lora is None:
+        return None
+    return hashlib.blake2b(json.dumps([owner, lora]).encode(), digest_size=16).digest()

@@ -24,6 +24,7 @@ from anyio.abc import TaskGroup
 
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
 from kvscope.kernels.guided import GuideCompiler
+from kvscope.models.lora import LoraError, read_adapter
 from kvscope.models.runner import ModelRunner
 from kvscope.models.warm_up import WarmUp
 from kvscope.models.worker import ProcessRunner
@@ -57,7 +58,10 @@ class Engine:
         self.kv_cache = parts.kv_cache
         self.registry = Registry(config.finished_history, config.finished_history_bytes)
         self.ledger = Ledger()
-        self.admission = Admission(parts.loaded, config, self.scheduler, self.registry, self.ledger)
+        self._adapters = parts.adapters
+        self.admission = Admission(
+            parts.loaded, config, self.scheduler, self.registry, self.ledger, parts.adapters
+        )
         #: Called after each step with (start time, forward seconds, batch size).
         self.step_listeners: list[Callable[[float, float, int], None]] = []
         self.step = StepActor(
@@ -211,6 +215,48 @@ class Engine:
                 raise RequestConflict(f"parent request {spec.parent!r} has ended") from exc
         return state
 
+    # -- LoRA adapters at run time -------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter saved in `path` as `name` from now on (vLLM's runtime
+        loading). It is read and checked against the model in a worker thread first; the
+        runner reads it again when a step first uses it (a model worker process, from
+        the step that tells it). A name in use is a `RequestConflict`; an adapter that
+        cannot be served, an `InvalidRequest` saying why."""
+        if not name.strip() or name == self.model_name:
+            raise InvalidRequest(
+                f"{name!r} cannot name a LoRA adapter (the model's name, or empty)"
+            )
+        if name in self._adapters:
+            raise RequestConflict(f"LoRA adapter {name!r} is already loaded")
+        config, device, max_rank = self.loaded.config, self.device, self.config.max_lora_rank
+        try:
+            adapter = await anyio.to_thread.run_sync(
+                lambda: read_adapter(name, path, config, device=device, max_rank=max_rank)
+            )
+        except LoraError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if name in self._adapters:  # loaded by another call meanwhile
+            raise RequestConflict(f"LoRA adapter {name!r} is already loaded")
+        self._adapters[name] = path
+        log.info("LoRA adapter %r loaded from %s: rank %d", name, path, adapter.rank)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving the LoRA adapter `name` and free it (a model worker process
+        frees its copy with its next step). `UnknownRequest` if it is not loaded;
+        `RequestConflict` while requests run with it."""
+        if name not in self._adapters:
+            raise UnknownRequest(f"no LoRA adapter {name!r} is loaded")
+        users = self.ledger.adapter_users[name]
+        if users:
+            raise RequestConflict(
+                f"LoRA adapter {name!r} has {users} live request(s); cancel them or wait "
+                "for them to end"
+            )
+        del self._adapters[name]
+        self.runner.forget_adapter(name)
+        log.info("LoRA adapter %r unloaded", name)
+
     # -- cancelling ---------------------------------------------------------------------
 
     async def cancel(
@@ -344,6 +390,12 @@ class Engine:
     @property
     def accepting(self) -> bool:
         return self._accepting
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters requests may run with (`SamplingParams.lora`): each name's
+        directory."""
+        return dict(self._adapters)
 
     @property
     def max_model_len(self) -> int:

@@ -46,6 +46,9 @@ class Ledger:
         self.counts: Counter[str] = Counter()  # finished / cancelled / failed
         self.tasks = 0  # request tasks running now: 0 when nothing leaked
         self.admitting = 0  # sequences admitted but not queued yet
+        #: Requests running with each LoRA adapter, from admission to their task's end
+        #: (an adapter in use is not unloaded).
+        self.adapter_users: Counter[str] = Counter()
         self.idle = anyio.Event()  # no live request
         self.idle.set()
         #: Called with each request's state once it is released (metrics).
@@ -156,6 +159,8 @@ def _retire(state: RequestState, actors: Actors) -> None:
     ledger = actors.ledger
     ledger.tasks -= 1
     state.root.family_size -= 1
+    if state.params.lora is not None:
+        ledger.adapter_users[state.params.lora] -= 1
     actors.registry.retire(state)
     if actors.registry.num_live == 0:
         ledger.idle.set()

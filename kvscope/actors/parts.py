@@ -37,6 +37,9 @@ class Parts:
     scheduler: Scheduler
     kv_cache: KVCache
     runner: ModelRunner | ProcessRunner
+    #: The LoRA adapters' table (name -> directory), shared with the runner, which the
+    #: engine changes (`Engine.load_adapter`).
+    adapters: dict[str, str]
 
 
 async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]) -> Parts:
@@ -46,7 +49,14 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
     if engine_config.model_threads:
         torch.set_num_threads(engine_config.model_threads)
     loaded = await anyio.to_thread.run_sync(
-        lambda: load_model(model, device=torch_device, dtype=dtype, seed=engine_config.seed)
+        lambda: load_model(
+            model,
+            device=torch_device,
+            dtype=dtype,
+            seed=engine_config.seed,
+            lora_modules=engine_config.lora_modules,
+            max_lora_rank=engine_config.max_lora_rank,
+        )
     )
     loaded = served_as(
         loaded,
@@ -71,6 +81,8 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
             model_cores(engine_config.worker_cores, threads, allowed_cores(), os.environ)
             if torch_device.type == "cpu"
             else None,
+            engine_config.lora_modules,
+            engine_config.max_lora_rank,
         )
     return build_parts(loaded, engine_config, torch_device, worker)
 
@@ -99,9 +111,12 @@ def build_parts(
         device=device,
     )
     # The forward runs in a worker thread, or, given a spec, in a model worker process.
-    local = ModelRunner(loaded.model, kv_cache, checkpoint_gap=config.checkpoint_gap)
+    adapters = dict(config.lora_modules)
+    local = ModelRunner(
+        loaded.model, kv_cache, checkpoint_gap=config.checkpoint_gap, adapters=adapters
+    )
     runner = local if worker is None else ProcessRunner(worker, local, config.max_num_seqs)
-    return Parts(loaded, config, device, pool, scheduler, kv_cache, runner)
+    return Parts(loaded, config, device, pool, scheduler, kv_cache, runner, adapters)
 
 
 async def run_worker(

@@ -37,6 +37,7 @@ from kvscope.kernels.linear import Linear
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .lora import LoraAdapter, LoraRows
 from .rope import apply_rotary, rotary_tables
 from .slicing import LinearSlicer
 
@@ -54,6 +55,7 @@ class LayerBatch:
     sin: torch.Tensor
     meta: AttentionMetadata
     qkv: torch.Tensor | None = None  # [tokens, q + k + v], at the checkpoint before attention
+    lora: LoraRows | None = None  # the rows that run with a LoRA adapter (`models/lora.py`)
 
 
 #: Called with the batch where rows may leave it, with None where they may not.
@@ -168,6 +170,8 @@ class LlamaModel:
             )
         #: Which weight layouts the linear layers use (`kernels.linear.plan`).
         self.linear_layout = linear.plan(self.linears())
+        #: The LoRA adapters requests may run with, by name (`models/lora.py`).
+        self.adapters: dict[str, LoraAdapter] = {}
         self.released = False
         self.cos, self.sin = rotary_tables(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device
@@ -181,6 +185,7 @@ class LlamaModel:
         kv_cache: KVCache,
         checkpoint: Checkpoint | None = None,
         slicer: LinearSlicer | None = None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         if self.released:
             raise RuntimeError("this copy of the model released its weights (release_weights)")
@@ -191,6 +196,7 @@ class LlamaModel:
             self.cos[positions].to(self.dtype),
             self.sin[positions].to(self.dtype),
             meta,
+            lora=lora,
         )
         between = _between(checkpoint, slicer)
 
@@ -200,6 +206,8 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = rms_norm(batch.hidden, layer.input_norm, eps)
             batch.qkv = linear(layer.qkv, x)
+            if batch.lora is not None:
+                batch.lora.apply(index, "qkv", x, batch.qkv)
             if checkpoint is not None:
                 checkpoint(batch)  # the last one before this layer's KV blocks are touched
             hidden, qkv, cos, sin = batch.hidden, batch.qkv, batch.cos, batch.sin
@@ -234,12 +242,22 @@ class LlamaModel:
             )
             if between is not None:
                 between()
-            batch.hidden = hidden + linear(layer.o_proj, attended)
+            projected = linear(layer.o_proj, attended)
+            if batch.lora is not None:
+                batch.lora.apply(index, "o_proj", attended, projected)
+            batch.hidden = hidden + projected
             if checkpoint is not None:
                 checkpoint(batch)  # halfway through the layer: the MLP is half its time
             hidden = batch.hidden
             x = rms_norm(hidden, layer.post_norm, eps)
-            if slicer is not None:
+            if batch.lora is not None and batch.lora.adapts(index, "gate_up", "down"):
+                # The adapted MLP unfused: each adapter adds to gate/up before the
+                # activation and to down after it.
+                gate_up = batch.lora.apply(index, "gate_up", x, linear(layer.gate_up, x))
+                activated = silu_and_mul(gate_up)
+                down = batch.lora.apply(index, "down", activated, linear(layer.down, activated))
+                batch.hidden = hidden + down
+            elif slicer is not None:
                 batch.hidden = slicer.gated_mlp(layer.gate_up, layer.down, x, hidden, between)
             else:
                 batch.hidden = hidden + layer.down(silu_and_mul(layer.gate_up(x)))
@@ -281,6 +299,7 @@ class LlamaModel:
         self.layers = []
         self.embed = self.final_norm = self.cos = self.sin = torch.empty(0, dtype=self.dtype)
         self.lm_head = Linear(self.embed)
+        self.adapters = {}
         self.released = True
 
     def _tensors(self, *, copies: bool) -> list[torch.Tensor]:
@@ -308,6 +327,7 @@ class LlamaModel:
                 ]
         if copies:
             tensors += [self.cos, self.sin]
+            tensors += [t for adapter in self.adapters.values() for t in adapter.tensors()]
         return list({id(t): t for t in tensors}.values())
 
 

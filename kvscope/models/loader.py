@@ -35,6 +35,7 @@ from .chat import (
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .llama import LlamaModel, check_weights
+from .lora import read_adapters
 from .rope import SUPPORTED_ROPE_TYPES, rope_type
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -117,7 +118,25 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
 
 
 def load_model(
-    name: str, *, device: torch.device, dtype: str | torch.dtype = "auto", seed: int = 0
+    name: str,
+    *,
+    device: torch.device,
+    dtype: str | torch.dtype = "auto",
+    seed: int = 0,
+    lora_modules: Sequence[tuple[str, str]] = (),
+    max_lora_rank: int | None = None,
+) -> LoadedModel:
+    """The model `name` (`bundled`, `tiny-random` or a checkpoint directory), with the
+    LoRA adapters of `lora_modules` read for it (`models/lora.py`)."""
+    loaded = _load_base(name, device=device, dtype=dtype, seed=seed)
+    loaded.model.adapters = read_adapters(
+        lora_modules, loaded.config, device=device, max_rank=max_lora_rank
+    )
+    return loaded
+
+
+def _load_base(
+    name: str, *, device: torch.device, dtype: str | torch.dtype, seed: int
 ) -> LoadedModel:
     if name == "tiny-random":
         return tiny_random(device=device, dtype=resolve_dtype(dtype, "float32"), seed=seed)

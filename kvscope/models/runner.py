@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 
 import attrs
 import torch
@@ -35,6 +36,7 @@ from kvscope.scheduling import as_model_thread
 
 from .gaps import GapRecorder
 from .llama import LayerBatch, LlamaModel, StepAborted
+from .lora import LoraAdapter, LoraRows, lora_rows, read_adapter
 from .slicing import LinearSlicer
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ class ChunkInput:
 class StepInput:
     chunks: list[ChunkInput]  # decode chunks (one token) first
     copies: list[tuple[int, int]]
+    #: Changes to the LoRA adapters' table since the last step, for a runner that keeps
+    #: its own (a model worker's): each name's new directory, or None where it is gone.
+    adapters: dict[str, str | None] = attrs.field(factory=dict)
 
 
 class StepControl:
@@ -103,9 +108,14 @@ class ModelRunner:
         *,
         checkpoint_gap: float = _DEFAULT_GAP,
         gaps: GapRecorder | None = None,
+        adapters: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        #: The LoRA adapters' directories by name: the engine's table, which it changes
+        #: (`Engine.load_adapter`), or a worker's copy, changed by `StepInput.adapters`.
+        #: An adapter is read into the model when a step first uses it.
+        self.adapters = adapters if adapters is not None else {}
         self.device = model.device
         #: The gaps between the forward's checkpoints (a worker process is handed its
         #: parent's, in shared memory, so both count into one histogram).
@@ -148,6 +158,7 @@ class ModelRunner:
         counting the checkpoint gaps in `gaps`."""
         as_model_thread()  # this thread and the torch threads it starts
         with torch.inference_mode():
+            adapters = self._step_adapters(step)
             cache.copy_blocks(step.copies)
             chunks = step.chunks
             input_ids: list[int] = []
@@ -156,7 +167,9 @@ class ModelRunner:
                 input_ids.extend(chunk.token_ids)
                 positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
             live = list(range(len(chunks)))
-            pruner = None if control is None else _Pruner(self, chunks, live, control, gaps)
+            pruner = (
+                None if control is None else _Pruner(self, chunks, live, control, gaps, adapters)
+            )
             slicer = self.slicer if pruner is not None else None
             if pruner is not None:
                 gaps.start()
@@ -168,6 +181,7 @@ class ModelRunner:
                     cache,
                     pruner,
                     slicer,
+                    self.lora_rows(chunks, live, adapters),
                 )
                 in_batch = pruner.in_batch if pruner is not None else live
                 return self._sample(chunks, live, list(in_batch), hidden, pruner, slicer)
@@ -252,6 +266,48 @@ class ModelRunner:
             at += count
         return out
 
+    def _step_adapters(self, step: StepInput) -> dict[str, LoraAdapter]:
+        """Apply the step's changes to the adapters' table; return the adapters its
+        chunks run with, reading into the model each one it does not hold yet. The
+        step keeps its own references, since the engine may unload an adapter while the
+        step runs: only once no request uses it, but a step may still hold the rows of
+        a request cancelled as it started. Such a row, whose adapter was unloaded even
+        before, runs on the base model until its first checkpoint drops it."""
+        model = self.model
+        for name, moved_to in step.adapters.items():
+            model.adapters.pop(name, None)  # gone, or read again from its new directory
+            if moved_to is None:
+                self.adapters.pop(name, None)
+            else:
+                self.adapters[name] = moved_to
+        used: dict[str, LoraAdapter] = {}
+        for chunk in step.chunks:
+            wanted = chunk.params.lora
+            if wanted is None or wanted in used:
+                continue
+            adapter = model.adapters.get(wanted)
+            path = self.adapters.get(wanted)
+            if adapter is None and path is not None:
+                adapter = read_adapter(
+                    wanted, path, model.config, device=self.device, max_rank=None
+                )
+                model.adapters[wanted] = adapter
+            if adapter is not None:
+                used[wanted] = adapter
+        return used
+
+    def forget_adapter(self, name: str) -> None:
+        """(event loop) Free the adapter `name`, which the engine no longer serves and no
+        request uses."""
+        self.model.adapters.pop(name, None)
+
+    def lora_rows(
+        self, chunks: list[ChunkInput], live: list[int], adapters: Mapping[str, LoraAdapter]
+    ) -> LoraRows | None:
+        """Which of the live chunks' rows run with which of the step's LoRA adapters."""
+        rows = [(chunks[i].params.lora, len(chunks[i].token_ids)) for i in live]
+        return lora_rows(adapters, rows, self.device)
+
     def metadata(self, chunks: list[ChunkInput], live: list[int]) -> AttentionMetadata:
         return build_metadata(
             starts=[chunks[i].start for i in live],
@@ -277,8 +333,10 @@ class _Pruner:
         live: list[int],
         control: StepControl,
         gaps: GapRecorder,
+        adapters: Mapping[str, LoraAdapter],
     ) -> None:
         self.runner = runner
+        self.adapters = adapters
         self.gaps = gaps
         self.chunks = chunks
         self.live = live  # the chunks still wanted; shared with `execute`, which samples them
@@ -319,3 +377,4 @@ class _Pruner:
         if batch.qkv is not None:
             batch.qkv = batch.qkv[rows]
         batch.meta = self.runner.metadata(self.chunks, self.live)
+        batch.lora = self.runner.lora_rows(self.chunks, self.live, self.adapters)

@@ -16,6 +16,9 @@ each request's parameters sent once, the step takes 12 and 16 µs and the answer
   (the step that says so carries its keys), and sent again if its request comes back,
   so the tables hold only what recent steps used. A new worker starts with an empty
   table, and the engine with a new encoder for it;
+* the LoRA adapters' table (name -> directory) crosses as its changes: a step carries
+  each adapter added or moved since the last (the worker reads it when a step first
+  uses it) and each one removed (the worker frees it);
 * a `torch.Generator` crosses as its state's bytes. A tensor (a generator's state is
   one) would cross by torch's storage sharing: a file descriptor handed over by
   multiprocessing's resource-sharer thread, with an HMAC handshake, per tensor per step
@@ -30,6 +33,7 @@ each request's parameters sent once, the step takes 12 and 16 µs and the answer
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -47,9 +51,14 @@ FORGET_EVERY = 64
 
 Row = tuple[list[int], int, list[int], bool, int, Any, list[int]]
 #: A step on the wire: rows, block copies, new parameters by key, keys to forget after
-#: this step, and the rows' generator states.
+#: this step, the rows' generator states, and the LoRA adapters' changes.
 StepMessage = tuple[
-    list[Row], list[tuple[int, int]], dict[int, SamplingParams], list[int], list[bytes | None]
+    list[Row],
+    list[tuple[int, int]],
+    dict[int, SamplingParams],
+    list[int],
+    list[bytes | None],
+    dict[str, str | None],
 ]
 
 
@@ -57,7 +66,13 @@ class StepEncoder:
     """(the engine) Steps as `StepMessage`s for one worker, which holds the parameters
     sent so far."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, adapters: Mapping[str, str] | None = None, held: Mapping[str, str] | None = None
+    ) -> None:
+        #: The engine's LoRA adapters' table, and what the worker holds of it (it loaded
+        #: `held` itself): a step carries the differences (`StepInput.adapters`).
+        self._adapters = adapters if adapters is not None else {}
+        self._adapters_held = dict(held or {})
         self._key_of: dict[int, int] = {}  # id(params) -> key, while `_sent` holds params
         self._sent: dict[int, tuple[SamplingParams, int]] = {}  # key -> (params, last step)
         self._next_key = 0
@@ -82,7 +97,8 @@ class StepEncoder:
             )
         states = [_bytes(c.generator) if c.generator is not None else None for c in step.chunks]
         forget = self._forget() if self._steps % FORGET_EVERY == 0 else []
-        return rows, step.copies, new, forget, states
+        changed = self._adapter_changes() if self._adapters != self._adapters_held else {}
+        return rows, step.copies, new, forget, states, changed
 
     @property
     def held(self) -> int:
@@ -97,6 +113,13 @@ class StepEncoder:
             new[key] = params
         self._sent[key] = (params, self._steps)
         return key
+
+    def _adapter_changes(self) -> dict[str, str | None]:
+        table, held = self._adapters, self._adapters_held
+        changed: dict[str, str | None] = {name: None for name in held if name not in table}
+        changed |= {name: path for name, path in table.items() if held.get(name) != path}
+        self._adapters_held = dict(table)
+        return changed
 
     def _forget(self) -> list[int]:
         stale = [key for key, (_, last) in self._sent.items() if self._steps - last >= FORGET_AFTER]
@@ -113,7 +136,7 @@ class StepDecoder:
         self._params: dict[int, SamplingParams] = {}
 
     def decode(self, message: StepMessage) -> StepInput:
-        rows, copies, new, forget, states = message
+        rows, copies, new, forget, states, adapters = message
         self._params.update(new)
         chunks = [
             ChunkInput(
@@ -125,7 +148,7 @@ class StepDecoder:
         ]
         for key in forget:  # none of them is used by this step
             del self._params[key]
-        return StepInput(chunks, copies)
+        return StepInput(chunks, copies, adapters)
 
     @property
     def held(self) -> int:

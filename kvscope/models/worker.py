@@ -59,7 +59,7 @@ from kvscope.kernels.sampling import Sampled
 from kvscope.scheduling import every_thread_as_model_thread, keep_to_cores, threads_of_this_process
 
 from .llama import StepAborted
-from .loader import load_model
+from .loader import LoadedModel, load_model
 from .loop_pipe import LoopPipe
 from .runner import ChunkInput, ModelRunner, StepControl, StepInput
 from .step_wire import StepDecoder, StepEncoder, decode_answer, encode_answer
@@ -150,6 +150,20 @@ class WorkerSpec:
     warm_up_tokens: int = 0
     #: The cores the worker keeps to (`scheduling.model_cores`); None: every core.
     cores: frozenset[int] | None = None
+    #: The LoRA adapters (`EngineConfig.lora_modules`, `max_lora_rank`).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int | None = None
+
+    def load(self) -> LoadedModel:
+        """The model and adapters the engine loaded, loaded again here."""
+        return load_model(
+            self.model,
+            device=torch.device(self.device),
+            dtype=self.dtype,
+            seed=self.seed,
+            lora_modules=self.lora_modules,
+            max_lora_rank=self.max_lora_rank,
+        )
 
 
 class SharedFlag:
@@ -268,10 +282,14 @@ def worker_main(
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        loaded = load_model(
-            spec.model, device=torch.device(spec.device), dtype=spec.dtype, seed=spec.seed
+        loaded = spec.load()
+        runner = ModelRunner(
+            loaded.model,
+            kv_cache,
+            checkpoint_gap=spec.checkpoint_gap,
+            gaps=gaps,
+            adapters=dict(spec.lora_modules),
         )
-        runner = ModelRunner(loaded.model, kv_cache, checkpoint_gap=spec.checkpoint_gap, gaps=gaps)
         warm_up_now(runner, spec.warm_up_tokens)  # the engine serves meanwhile
         control = WorkerControl(flags.numpy())
     except Exception as exc:
@@ -401,6 +419,11 @@ class ProcessRunner:
     def new_control(self) -> StepControl:
         return SharedStepControl(self._flags.numpy())
 
+    def forget_adapter(self, name: str) -> None:
+        """(event loop) Free the engine's copy of the adapter `name`; the worker frees
+        its own when the next step carries the table's change (`StepEncoder`)."""
+        self.local.forget_adapter(name)
+
     @property
     def cache_lost(self) -> bool:
         """A worker went away with the K/V cache's contents, and no step may run until
@@ -472,17 +495,13 @@ class ProcessRunner:
                 raise WorkerDied("the model worker was stopped")
             if self._gave_up:
                 log.warning("no model worker: loading the model again to run steps here")
-                loaded = load_model(
-                    self.spec.model,
-                    device=torch.device(self.spec.device),
-                    dtype=self.spec.dtype,
-                    seed=self.spec.seed,
-                )
+                loaded = self.spec.load()
                 self.local = ModelRunner(
                     loaded.model,
                     self.kv_cache,
                     checkpoint_gap=self.spec.checkpoint_gap,
                     gaps=self.gaps,
+                    adapters=self.local.adapters,  # the engine's table
                 )
                 return None
             if control is not None and control.abort.is_set():
@@ -540,7 +559,7 @@ class ProcessRunner:
             released = self.local.model_bytes
             self.local.release_model()  # before /stats can show the worker as ready
             self._process, self._conn, self._pipe = process, parent, LoopPipe(parent)
-            self._encoder = StepEncoder()
+            self._encoder = StepEncoder(self.local.adapters, dict(self.spec.lora_modules))
         freed = (
             f"; the engine's copy of the model freed {released / 2**20:.0f} MiB" if released else ""
         )

@@ -44,6 +44,7 @@ from .auth import current_owner
 from .chat import chat_prompt
 from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
+from .model_names import adapter_of
 from .openai import read_openai_body
 from .openai_prompts import Prompt, batch, check_batch, prompt_ids
 from .openai_run import cancel_all
@@ -99,6 +100,7 @@ async def embeddings() -> Any:
         truncate=body.truncate_prompt_tokens,
         add_special_tokens=body.add_special_tokens,
         priority=body.priority,
+        model=body.model,
         param="input" if body.messages is None else "messages",
     )
     data = [
@@ -113,7 +115,7 @@ async def embeddings() -> Any:
         "id": f"embd-{embedded.first_id}",
         "object": "list",
         "created": int(time.time()),
-        "model": ctx.engine.model_name,
+        "model": embedded.model,
         "data": data,
         "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
     }
@@ -122,12 +124,13 @@ async def embeddings() -> Any:
 
 @attrs.frozen
 class Embedded:
-    """The embeddings of a call's texts, in order; their prompt tokens, and the first
-    text's request id."""
+    """The embeddings of a call's texts, in order; their prompt tokens, the first
+    text's request id, and the model (or LoRA adapter) that embedded them."""
 
     vectors: list[tuple[float, ...]]
     tokens: int
     first_id: str
+    model: str
 
 
 async def embed_inputs(
@@ -137,12 +140,15 @@ async def embed_inputs(
     truncate: int | None = None,
     add_special_tokens: bool = True,
     priority: int = 0,
+    model: str | None = None,
     param: str | Sequence[str],
 ) -> Embedded:
     """Each text's embedding, one `embed` request each (`param` names the field that
-    holds them, or each one's, in a 400). Leaving before they are all done cancels them
-    all; one that ends without its embedding (a DELETE) is a 409 naming it."""
+    holds them, or each one's, in a 400), with the LoRA adapter the body's `model`
+    names, if it names one. Leaving before they are all done cancels them all; one
+    that ends without its embedding (a DELETE) is a 409 naming it."""
     engine = ctx.engine
+    lora = adapter_of(engine, model)
     fields = [param] * len(texts) if isinstance(param, str) else list(param)
     check_batch(len(texts), fields[-1])
     inputs = []
@@ -163,7 +169,12 @@ async def embed_inputs(
         for ids in inputs:
             jobs.append(
                 await engine.submit(
-                    ids, embed=True, max_tokens=1, priority=priority, owner=current_owner()
+                    ids,
+                    embed=True,
+                    max_tokens=1,
+                    priority=priority,
+                    owner=current_owner(),
+                    lora=lora,
                 )
             )
         results = [await job.wait() for job in jobs]
@@ -182,7 +193,7 @@ async def embed_inputs(
                 "internal_error" if failed else "conflict_error",
             )
         vectors.append(result.embedding)
-    return Embedded(vectors, sum(map(len, inputs)), jobs[0].id)
+    return Embedded(vectors, sum(map(len, inputs)), jobs[0].id, lora or engine.model_name)
 
 
 def shortened(vector: tuple[float, ...], dimensions: int | None) -> tuple[float, ...]:

@@ -26,12 +26,11 @@ from pydantic import BaseModel
 from quart import Blueprint, request
 from quart_schema import document_request
 
-from kvscope import Engine
-
 from .bodies import decode_json, validate
 from .chat import chat_prompt
 from .context import ServerContext, server
 from .errors import ApiError
+from .model_names import adapter_of, check_model
 from .openai_prompts import batch, max_tokens, prompt_ids, truncated
 from .openai_run import complete
 from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
@@ -43,29 +42,36 @@ B = TypeVar("B", bound=OpenAISampling)
 M = TypeVar("M", bound=BaseModel)
 
 
-def _model_card(ctx: ServerContext) -> dict[str, Any]:
+def _model_card(ctx: ServerContext, model_id: str) -> dict[str, Any]:
+    """The model's card, or a LoRA adapter's: its `parent` the model, its `root` its
+    directory (vLLM's)."""
     engine = ctx.engine
+    adapter = adapter_of(engine, model_id)
     return {
-        "id": engine.model_name,
+        "id": model_id,
         "object": "model",
         "created": ctx.started,
         "owned_by": "kvscope",
         "max_model_len": engine.max_model_len,
+        "root": engine.adapters[adapter] if adapter else engine.model_name,
+        "parent": engine.model_name if adapter else None,
     }
 
 
 @blueprint.get("/models")
 async def list_models() -> Any:
-    """The one model this server runs."""
-    return {"object": "list", "data": [_model_card(server())]}
+    """The model this server runs, then its LoRA adapters."""
+    ctx = server()
+    names = [ctx.engine.model_name, *ctx.engine.adapters]
+    return {"object": "list", "data": [_model_card(ctx, name) for name in names]}
 
 
 @blueprint.get("/models/<path:model_id>")
 async def get_model(model_id: str) -> Any:
-    """The model `model_id`, if this server runs it (404 otherwise)."""
+    """The model (or LoRA adapter) `model_id`, if this server runs it (404 otherwise)."""
     ctx = server()
     check_model(ctx.engine, model_id)
-    return _model_card(ctx)
+    return _model_card(ctx, model_id)
 
 
 @blueprint.post("/completions")
@@ -160,14 +166,3 @@ async def _read(model: type[B]) -> B:
         # vLLM's rule too; `echo` with `logprobs` streams the prompt's scores instead.
         raise ApiError(400, "prompt_logprobs is not streamed", param="prompt_logprobs")
     return body
-
-
-def check_model(engine: Engine, name: str | None) -> None:
-    """A 404 (`model_not_found`) unless `name` is this server's model (or unset)."""
-    if name is not None and name != engine.model_name:
-        raise ApiError(
-            404,
-            f"The model `{name}` does not exist (this server runs `{engine.model_name}`).",
-            param="model",
-            code="model_not_found",
-        )

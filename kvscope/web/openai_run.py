@@ -26,6 +26,7 @@ from kvscope.params import GUIDES, SamplingParams, field_of
 from .auth import current_owner
 from .context import ServerContext, disconnect_reason
 from .errors import ApiError
+from .model_names import adapter_of
 from .openai_format import Choices, ChunkFormat, usage
 from .openai_schemas import OpenAISampling
 from .reasoning import NONE as NO_REASONING
@@ -40,7 +41,8 @@ Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
 async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str, Any]:
     """The body's `SamplingParams` kwargs, checked here so a bad one names its field."""
     given = body.guide_fields  # what the client sent; else a tool call's schema
-    return await check_params(engine, body.sampling(max_tokens), given[0] if given else "tools")
+    kwargs = body.sampling(max_tokens) | {"lora": adapter_of(engine, body.model)}
+    return await check_params(engine, kwargs, given[0] if given else "tools")
 
 
 async def check_params(engine: Engine, kwargs: dict[str, Any], guide_field: str) -> dict[str, Any]:
@@ -100,7 +102,8 @@ async def complete(
     answer, the content, in which its tool calls are read."""
     jobs = await start(ctx, plans, body, tools)
     view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
-    fmt = ChunkFormat(jobs[0].id, int(time.time()), ctx.engine.model_name, chat=chat)
+    model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
+    fmt = ChunkFormat(jobs[0].id, int(time.time()), model, chat=chat)
     if body.stream:
         chunks = stream_chunks(jobs, body, view, fmt, tools, reasoning)
         ids = [job.id for job in reversed(jobs)]

@@ -42,6 +42,7 @@ from .auth import current_owner
 from .chat import chat_prompt, chat_size
 from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
+from .model_names import adapter_of
 from .openai import read_openai_body
 from .openai_prompts import max_tokens
 from .openai_run import check_params
@@ -102,10 +103,11 @@ async def create_response() -> Any:
         ctx.engine, len(prompt), body.max_output_tokens, "input", param="max_output_tokens"
     )
     schema_field = "text" if body.text_format.type != "text" else "tools"
-    sampling = await check_params(ctx.engine, body.sampling(limit), schema_field)
+    lora = adapter_of(ctx.engine, body.model)
+    sampling = await check_params(ctx.engine, body.sampling(limit) | {"lora": lora}, schema_field)
     sampling |= plan.sampling_overrides()
     job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
-    model = ctx.engine.model_name
+    model = lora or ctx.engine.model_name
     view = ResponseView(
         response_id(job.id),
         body,

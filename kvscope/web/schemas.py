@@ -94,6 +94,9 @@ class Sampling(Strict):
         SamplingParams.default("embed"),
         description="answer the prompt's embedding (the request's `embedding`), generate nothing",
     )
+    lora: str | None = Field(
+        None, description="the LoRA adapter to run with, by its name (`--lora-modules`)"
+    )
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments the client gave (a field it left out

@@ -80,6 +80,7 @@ async def score() -> Any:
         unique,
         truncate=body.truncate_prompt_tokens,
         priority=body.priority,
+        model=body.model,
         param=[fields[text] for text in unique],
     )
     vectors = dict(zip(unique, embedded.vectors, strict=True))
@@ -91,7 +92,7 @@ async def score() -> Any:
         "id": f"score-{embedded.first_id}",
         "object": "list",
         "created": int(time.time()),
-        "model": server().engine.model_name,
+        "model": embedded.model,
         "data": data,
         "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
     }
@@ -112,6 +113,7 @@ async def rerank() -> Any:
         [*texts(body.query, "query"), *documents],
         truncate=body.truncate_prompt_tokens,
         priority=body.priority,
+        model=body.model,
         param=["query", *["documents"] * len(documents)],
     )
     query, *vectors = embedded.vectors
@@ -124,7 +126,7 @@ async def rerank() -> Any:
     results.sort(key=lambda r: r["relevance_score"], reverse=True)
     answer = {
         "id": f"rerank-{embedded.first_id}",
-        "model": server().engine.model_name,
+        "model": embedded.model,
         "usage": {"total_tokens": embedded.tokens},
         "results": results[: body.top_n or None],
     }

@@ -26,6 +26,7 @@ from kvscope.config import EngineConfig
 from kvscope.options import DEFAULT_MODEL, add_engine_arguments, engine_kwargs
 from kvscope.scheduling import LOOP_PRIORITY
 
+from . import lora_admin
 from .cors import CorsPolicy
 from .reasoning import PARSERS as REASONING_PARSERS
 from .server import Server
@@ -140,6 +141,7 @@ ALWAYS = {
     "--enforce-eager": "the forward always runs eagerly",
     "--enable-chunked-prefill": "long prompts are always computed in chunks beside decodes",
     "--enable-prompt-tokens-details": "usage always counts the prompt tokens found cached",
+    "--enable-lora": "the adapters --lora-modules names are served",
 }
 
 
@@ -185,6 +187,14 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, action="store_true", help=f"accepted: {why}")
     for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
         group.add_argument(flag, short, type=int, default=1, help="1: one device serves a model")
+    for flag in ("--max-loras", "--max-cpu-loras"):
+        group.add_argument(
+            flag,
+            type=int,
+            default=None,
+            help="accepted: every adapter of --lora-modules stays loaded, and any number "
+            "share a step",
+        )
 
 
 def vllm_refusals(args: argparse.Namespace) -> str | None:
@@ -241,6 +251,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
             args.allow_credentials,
         ),
         stats_log_interval=0.0 if args.disable_log_stats else STATS_LOG_INTERVAL,
+        runtime_lora_updating=os.environ.get(lora_admin.SWITCH, "").lower() in lora_admin.SWITCH_ON,
     )
 
 

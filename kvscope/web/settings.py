@@ -92,5 +92,9 @@ class ServerSettings:
     cors: CorsPolicy = attrs.field(factory=CorsPolicy, converter=_cors)
     #: Seconds between two lines of the periodic stats log (`web.stats_log`); 0: none.
     stats_log_interval: float = attrs.field(default=STATS_LOG_INTERVAL, validator=v.ge(0.0))
+    #: vLLM's runtime LoRA loading (`web/lora_admin.py`): `POST /v1/load_lora_adapter`
+    #: and `/v1/unload_lora_adapter`; `kvscope serve` sets it from
+    #: VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM does.
+    runtime_lora_updating: bool = attrs.field(default=False, validator=v.instance_of(bool))
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))

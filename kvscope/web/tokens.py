@@ -22,7 +22,7 @@ from .bodies import read_body
 from .chat import chat_prompt
 from .context import server
 from .errors import ApiError
-from .openai import check_model
+from .model_names import check_model
 from .openai_schemas import ChatMessage, ChatTemplateOptions
 from .schemas import Strict
 from .tools import ToolDef, ToolPlan

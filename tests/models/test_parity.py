@@ -20,6 +20,7 @@ import torch
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.attention import build_metadata
 from kvscope.models.loader import load_model
+from kvscope.models.lora import LoraRows
 from kvscope.models.slicing import LinearSlicer
 
 CPU = torch.device("cpu")
@@ -84,10 +85,14 @@ class Cache:
         self.tables: dict[int, list[int]] = {}
 
     def step(
-        self, chunks: list[tuple[int, list[int], int]], slicer: LinearSlicer | None = None
+        self,
+        chunks: list[tuple[int, list[int], int]],
+        slicer: LinearSlicer | None = None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """Run chunks (sequence, token ids, start), one-token chunks first; all logits
-        (with `slicer`, every linear layer in column pieces)."""
+        (with `slicer`, every linear layer in column pieces; with `lora`, the rows it
+        names run with their LoRA adapters)."""
         for seq, ids, start in chunks:
             table = self.tables.setdefault(seq, [])
             while len(table) * self.block_size < start + len(ids):
@@ -103,7 +108,7 @@ class Cache:
         positions = torch.tensor([p for _, ids, s in chunks for p in range(s, s + len(ids))])
         hook = None if slicer is None else (lambda batch: None)
         with torch.inference_mode():
-            hidden = self.model.forward(input_ids, positions, meta, self.kv, hook, slicer)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv, hook, slicer, lora)
             return self.model.logits(hidden, hook, slicer)
 
 
