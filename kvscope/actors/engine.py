@@ -217,6 +217,10 @@ class Engine:
 
     # -- LoRA adapters at run time -------------------------------------------------------
 
+    def adapter_requests(self) -> dict[str, int]:
+        """Each LoRA adapter served, and how many live requests run with it."""
+        return {name: self.ledger.adapter_users[name] for name in self._adapters}
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve the LoRA adapter saved in `path` as `name` from now on (vLLM's runtime
         loading). It is read and checked against the model in a worker thread first; the

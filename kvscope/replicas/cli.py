@@ -38,6 +38,13 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
     if settings.backend != "asyncio":
         print("error: Ray Serve replicas run on asyncio; drop --backend trio", file=sys.stderr)
         return 2
+    if settings.runtime_lora_updating:
+        print(
+            "error: runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) would load an "
+            "adapter in the one replica the call reaches; give adapters with --lora-modules",
+            file=sys.stderr,
+        )
+        return 2
     port = settings.port or _free_port(settings.host)
     signals = _Signals()
     # Serve's proxy reads this when it starts (in a process that inherits it from

@@ -136,6 +136,14 @@ class _EngineGauges(Collector):
         yield GaugeMetricFamily(
             "kvscope_requests_live", "Requests not yet ended", value=stats["live_requests"]
         )
+        adapters = GaugeMetricFamily(
+            "kvscope_lora_requests",
+            "Live requests running with each LoRA adapter served",
+            labels=["adapter"],
+        )
+        for name, count in self._engine.adapter_requests().items():
+            adapters.add_metric([name], count)
+        yield adapters
         yield GaugeMetricFamily(
             "kvscope_open_streams",
             "Open SSE and WebSocket streams",

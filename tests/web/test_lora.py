@@ -297,10 +297,13 @@ def test_adapters_load_and_unload_at_run_time(
             next(events)  # it runs
             busy = http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
             assert busy.status_code == 409 and "1 live request" in busy.text
+            assert 'kvscope_lora_requests{adapter="sql"} 1.0' in http.get("/metrics").text
             assert http.delete(f"/requests/{request_id}").status_code == 200
         wait_clean(live)
+        assert 'kvscope_lora_requests{adapter="sql"} 0.0' in http.get("/metrics").text
         unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
         assert unloaded.status_code == 200, unloaded.text
+        assert 'adapter="sql"' not in http.get("/metrics").text
         assert completion("sql").status_code == 404
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
         http.post("/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": str(adapter[0])})
@@ -314,3 +317,20 @@ def test_runtime_loading_is_off_unless_switched_on(served: tuple[Live, openai.Op
     with live.client() as http:
         refused = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/"})
         assert refused.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in refused.text
+
+
+def test_runtime_loading_is_refused_with_replicas(checkpoint: Path) -> None:
+    """Each replica holds its own adapters: a load would reach one of them."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    run = subprocess.run(
+        [sys.executable, "-m", "kvscope.cli", "serve", str(checkpoint), "--replicas", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )
+    assert run.returncode == 2 and "--lora-modules" in run.stderr, run.stderr[-2000:]
