@@ -101,8 +101,13 @@ class Sequence:
         # for the parent to compute that prefix rather than computing it twice.
         self.fork_from = fork_from
         self.share_target = 0
-        # A request that scores its prompt computes all of it (`_shared_prefix`).
-        if fork_from is not None and self.params.prompt_logprobs is None:
+        # A request that scores its prompt computes all of it (`_shared_prefix`), and
+        # one of another LoRA adapter (or none) its own K/V.
+        if (
+            fork_from is not None
+            and self.params.prompt_logprobs is None
+            and self.params.lora == fork_from.params.lora
+        ):
             common = 0
             for mine, theirs in zip(self.tokens, fork_from.tokens, strict=False):
                 if mine != theirs:

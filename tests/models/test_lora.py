@@ -183,6 +183,34 @@ async def test_an_adapter_does_not_reuse_the_base_models_cached_prompt(
 
 
 @pytest.mark.anyio
+async def test_a_child_of_another_adapter_computes_its_own_prefix(
+    checkpoints: Any, adapters: Adapters, open_engine: Any
+) -> None:
+    """A child request shares its parent's blocks for their common prefix only where
+    both run with the same adapter (or none): a child of the base model under a parent
+    of an adapter, and one of the parent's own adapter, each get their own model's
+    tokens."""
+    directory = checkpoints("llama")
+    paths, models = adapters("llama")
+    a, b, _, _ = prompts(directory)
+    async with open_engine(
+        str(directory), dtype="float32", block_size=4, lora_modules=paths
+    ) as engine:
+        parent = await engine.submit(
+            a + b, temperature=0, max_tokens=200, ignore_eos=True, lora="every"
+        )
+        async for _delta in engine.watch(parent.id):
+            break  # its prompt is computed
+        greedy = dict(temperature=0, max_tokens=16, ignore_eos=True, parent=parent.id)
+        base_child = await engine.generate(a + b, **greedy)
+        own_child = await engine.generate(a + b, lora="every", **greedy)
+        await engine.cancel(parent.id)
+    assert list(base_child.token_ids) == hf_greedy(checkpoints.hf_model("llama"), a + b, 16)
+    assert list(own_child.token_ids) == hf_greedy(models["every"], a + b, 16)
+    assert own_child.cached_tokens > 0 and base_child.cached_tokens == 0
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_adapter_that_is_not_loaded_is_refused(
     checkpoints: Any, adapters: Adapters, open_engine: Any
