@@ -254,6 +254,11 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
 
 // small_linear: rows [n0, n1) of w against the M rows of x, four of w's rows at a time
 // (their sums independent, so the loads of the next overlap the multiply-adds).
+// How far ahead of the rows being multiplied small_linear asks for w's rows into L2:
+// the reference model's linears at one row, 2 threads, AVX-512 BF16, 58-64 us a call
+// against 82-86 (4 to 32 rows ahead measured alike).
+constexpr int64_t PREFETCH_ROWS_AHEAD = 8;
+
 template <int M>
 void small_linear_rows(bf16* out, const bf16* x, const bf16* w, const bf16* bias, int64_t k,
                        int64_t xs, int64_t os, int64_t n0, int64_t n1) {
@@ -268,6 +273,11 @@ void small_linear_rows(bf16* out, const bf16* x, const bf16* w, const bf16* bias
         for (auto& a : row) a = _mm512_setzero_ps();
       const bf16* rows[AT_ONCE];  // past n1, repeat the last row; its sums are unused
       for (int64_t r = 0; r < AT_ONCE; ++r) rows[r] = w + std::min(n + r, n1 - 1) * k;
+      if (n + PREFETCH_ROWS_AHEAD < n1) {  // the rows two steps on, into L2
+        const char* next = reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS_AHEAD) * k);
+        const int64_t bytes = AT_ONCE * k * static_cast<int64_t>(sizeof(bf16));
+        for (int64_t at = 0; at < bytes; at += 64) prefetch_l2(next + at);
+      }
       for (int64_t d = 0; d < k; d += 32) {
         __m512bh xv[M];
         for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + d);

@@ -88,25 +88,6 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return sum;
 }
 
-// GCC 12 deletes a loop whose only work is __builtin_prefetch (it has no side effect),
-// so on x86 the prefetch is an asm statement.
-inline void prefetch(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-// The same into the L2 cache only: for data wanted a few blocks later, which would push
-// the data in use now out of L1.
-inline void prefetch_l2(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
 
 
 // What one work item needs: the query group, and scratch for one block.

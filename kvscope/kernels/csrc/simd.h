@@ -16,6 +16,27 @@
 #include <cstdint>
 
 namespace {
+
+// Asks for the cache line at p into L1. GCC 12 deletes a loop whose only work is
+// __builtin_prefetch (it has no side effect), so on x86 it is an asm statement.
+inline void prefetch(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// The same into L2 only: for data wanted a little later, which in L1 would push out the
+// data in use now.
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 #ifdef KVSCOPE_SIMD
 namespace simd {
 
