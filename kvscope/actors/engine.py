@@ -24,7 +24,7 @@ from anyio.abc import TaskGroup
 
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
 from kvscope.kernels.guided import GuideCompiler
-from kvscope.models.lora import LoraError, read_adapter
+from kvscope.models.lora import LoraError, check_adapter_name, read_adapter
 from kvscope.models.runner import ModelRunner
 from kvscope.models.warm_up import WarmUp
 from kvscope.models.worker import ProcessRunner
@@ -223,14 +223,14 @@ class Engine:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve the LoRA adapter saved in `path` as `name` from now on (vLLM's runtime
-        loading). It is read and checked against the model in a worker thread first; the
-        runner reads it again when a step first uses it (a model worker process, from
-        the step that tells it). A name in use is a `RequestConflict`; an adapter that
+        loading). It is read and checked against the model in a worker thread first, and
+        handed to this process's copy of the model; a model worker process reads it
+        when a step first uses it (the step tells it). A name in use is a `RequestConflict`; an adapter that
         cannot be served, an `InvalidRequest` saying why."""
-        if not name.strip() or name == self.model_name:
-            raise InvalidRequest(
-                f"{name!r} cannot name a LoRA adapter (the model's name, or empty)"
-            )
+        try:
+            check_adapter_name(name, self.model_name)
+        except LoraError as exc:
+            raise InvalidRequest(str(exc)) from None
         if name in self._adapters:
             raise RequestConflict(f"LoRA adapter {name!r} is already loaded")
         config, device, max_rank = self.loaded.config, self.device, self.config.max_lora_rank
@@ -243,6 +243,7 @@ class Engine:
         if name in self._adapters:  # loaded by another call meanwhile
             raise RequestConflict(f"LoRA adapter {name!r} is already loaded")
         self._adapters[name] = path
+        self.runner.add_adapter(adapter)  # this process's copy of the model need not read it
         log.info("LoRA adapter %r loaded from %s: rank %d", name, path, adapter.rank)
 
     def unload_adapter(self, name: str) -> None:

@@ -19,6 +19,7 @@ from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.device import select_device
 from kvscope.models.loader import LoadedModel, load_model, served_as
+from kvscope.models.lora import check_adapter_name
 from kvscope.models.runner import ModelRunner
 from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
 from kvscope.scheduling import allowed_cores, model_cores
@@ -65,6 +66,8 @@ async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]
         generation_config=engine_config.generation_config,
         override_generation_config=engine_config.override_generation_config,
     )
+    for name, _ in engine_config.lora_modules:
+        check_adapter_name(name, loaded.name)
     worker = None
     if engine_config.worker == "process":
         threads = engine_config.model_threads

@@ -169,6 +169,13 @@ def read_adapter(
     return LoraAdapter(name, path, rank, tuple(layers))
 
 
+def check_adapter_name(name: str, model_name: str) -> None:
+    """An adapter's name must not be empty nor the served model's own, which then could
+    not be asked for by name (the OpenAI routes' `model`)."""
+    if not name.strip() or name == model_name:
+        raise LoraError(f"{name!r} cannot name a LoRA adapter (empty, or the model's own name)")
+
+
 def read_adapters(
     modules: Iterable[tuple[str, str]],
     config: ModelConfig,

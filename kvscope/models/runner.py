@@ -296,6 +296,12 @@ class ModelRunner:
                 used[wanted] = adapter
         return used
 
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """(event loop) Hold `adapter`, which the engine read, rather than read it again
+        when a step first uses it (nothing, once this copy released its weights)."""
+        if not self.model.released:
+            self.model.adapters[adapter.name] = adapter
+
     def forget_adapter(self, name: str) -> None:
         """(event loop) Free the adapter `name`, which the engine no longer serves and no
         request uses."""

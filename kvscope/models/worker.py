@@ -61,6 +61,7 @@ from kvscope.scheduling import every_thread_as_model_thread, keep_to_cores, thre
 from .llama import StepAborted
 from .loader import LoadedModel, load_model
 from .loop_pipe import LoopPipe
+from .lora import LoraAdapter
 from .runner import ChunkInput, ModelRunner, StepControl, StepInput
 from .step_wire import StepDecoder, StepEncoder, decode_answer, encode_answer
 from .warm_up import warm_up_now
@@ -418,6 +419,11 @@ class ProcessRunner:
 
     def new_control(self) -> StepControl:
         return SharedStepControl(self._flags.numpy())
+
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """(event loop) `ModelRunner.add_adapter` for the engine's copy; the worker
+        reads its own when the next step carries the table's change."""
+        self.local.add_adapter(adapter)
 
     def forget_adapter(self, name: str) -> None:
         """(event loop) Free the engine's copy of the adapter `name`; the worker frees

@@ -223,6 +223,20 @@ async def test_an_adapter_that_is_not_loaded_is_refused(
             await engine.generate("hello", max_tokens=2, lora="sql")
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_adapter_named_as_the_model_is_refused_at_open(
+    checkpoints: Any, adapters: Adapters, open_engine: Any
+) -> None:
+    """The model could not be asked for by its name beside it."""
+    paths, _ = adapters("llama")
+    with pytest.raises(ModelLoadError, match="the model's own name"):
+        async with open_engine(
+            str(checkpoints("llama")), dtype="float32", lora_modules={"llama": paths["attn"]}
+        ):
+            pass
+
+
 def _copy_adapter(source: str, target: Path, **changes: Any) -> Path:
     target.mkdir()
     settings = json.loads((Path(source) / "adapter_config.json").read_text())

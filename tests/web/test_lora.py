@@ -290,6 +290,11 @@ def test_adapters_load_and_unload_at_run_time(
             "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)}
         )
         assert missing.status_code == 400 and "no adapter_config.json" in missing.text
+        named_as_model = http.post(
+            "/v1/load_lora_adapter",
+            json={"lora_name": checkpoint.name, "lora_path": str(adapter[0])},
+        )
+        assert named_as_model.status_code == 400 and "model's own name" in named_as_model.text
         body = {"model": "sql", "prompt": PROMPT, "max_tokens": 400, "stream": True}
         with http.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as stream:
             request_id = stream.headers["X-Request-Id"]
