@@ -221,6 +221,12 @@ class Engine:
         """Each LoRA adapter served, and how many live requests run with it."""
         return {name: self.ledger.adapter_users[name] for name in self._adapters}
 
+    def scheduled_adapters(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters of the running requests, and of the waiting ones (vLLM's
+        `running_lora_adapters` and `waiting_lora_adapters`)."""
+        running, waiting = self.scheduler.adapters()
+        return sorted(running), sorted(waiting)
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve the LoRA adapter saved in `path` as `name` from now on (vLLM's runtime
         loading). It is read and checked against the model in a worker thread first, and

@@ -79,6 +79,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or self._num_waiting > 0
 
+    def adapters(self) -> tuple[set[str], set[str]]:
+        """The LoRA adapters of the running sequences, and of the waiting ones."""
+        running = {seq.params.lora for seq in self.running if seq.params.lora}
+        waiting = {
+            seq.params.lora for seq in self._members if seq.params.lora and seq not in self.running
+        }
+        return running, waiting
+
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.QUEUED
         self._members.add(seq)

@@ -318,7 +318,7 @@ class Metrics:
     def attach(self, engine: Engine) -> None:
         self.registry.register(_EngineGauges(engine, self))
         self.registry.register(_CheckpointGaps(engine))
-        self._exposed = VllmNames(self.registry, engine.model_name, engine.config)
+        self._exposed = VllmNames(self.registry, engine)
         engine.release_listeners.append(self._on_release)
         engine.step_listeners.append(self._on_step)
 

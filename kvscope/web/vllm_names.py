@@ -7,17 +7,22 @@ Gateway API inference extension, llm-d, vLLM's production stack) read a server's
 as they are and then, for each one vLLM also has, a copy under vLLM's name, labelled
 as vLLM labels it (`model_name`, `engine`). Nothing is counted twice: the copy is
 made from the family at scrape time. Each name has one mapping, in `VLLM_NAMES`.
+Two of vLLM's families have no kvscope family to copy, and are made from the engine:
+`vllm:cache_config_info` and, while LoRA adapters are served, `vllm:lora_requests_info`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from kvscope.config import EngineConfig
+if TYPE_CHECKING:
+    from kvscope import Engine
 
 #: kvscope's family name -> vLLM's names for it (a counter's family name is without
 #: `_total`): the current one first, then names vLLM used before (v0 and early V1),
@@ -55,10 +60,10 @@ class VllmNames:
     """A registry's families, then vLLM's copies of those it names; pass it to
     `prometheus_client.generate_latest` in place of the registry."""
 
-    def __init__(self, registry: Collector, model_name: str, config: EngineConfig) -> None:
+    def __init__(self, registry: Collector, engine: Engine) -> None:
         self._registry = registry
-        self._labels = {"model_name": model_name, "engine": "0"}
-        self._config = config
+        self._labels = {"model_name": engine.model_name, "engine": "0"}
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
         families = list(self._registry.collect())
@@ -67,6 +72,8 @@ class VllmNames:
             for name in VLLM_NAMES.get(family.name, ()):
                 yield self._renamed(family, name)
         yield self._cache_config_info()
+        if self._engine.adapter_requests():
+            yield self._lora_requests_info()
 
     def _renamed(self, family: Metric, name: str) -> Metric:
         copy = Metric(name, family.documentation, family.type)
@@ -85,7 +92,7 @@ class VllmNames:
     def _cache_config_info(self) -> Metric:
         """vLLM's `cache_config_info`: 1, with the cache's settings as labels (gateways
         read `block_size` from it to hash prompts as the server's prefix cache does)."""
-        config = self._config
+        config = self._engine.config
         info = Metric("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
         labels = {
             "block_size": str(config.block_size),
@@ -93,6 +100,21 @@ class VllmNames:
             "cache_dtype": "auto",
         }
         info.samples = [Sample(info.name, {**self._labels, **labels}, 1.0)]
+        return info
+
+    def _lora_requests_info(self) -> Metric:
+        """vLLM's `lora_requests_info`: the scrape's time, with the adapters of running
+        and of waiting requests as labels (gateways route a request to a server already
+        running its adapter). `max_lora` is the number of adapters served: every one
+        stays loaded, and any number share a step."""
+        running, waiting = self._engine.scheduled_adapters()
+        info = Metric("vllm:lora_requests_info", "Running stats on lora requests.", "gauge")
+        labels = {
+            "max_lora": str(len(self._engine.adapter_requests())),
+            "waiting_lora_adapters": ",".join(waiting),
+            "running_lora_adapters": ",".join(running),
+        }
+        info.samples = [Sample(info.name, labels, time.time())]
         return info
 
 

@@ -211,6 +211,28 @@ async def test_a_child_of_another_adapter_computes_its_own_prefix(
 
 
 @pytest.mark.anyio
+async def test_the_engine_names_the_adapters_running_and_waiting(
+    checkpoints: Any, adapters: Adapters, open_engine: Any
+) -> None:
+    """One sequence runs at a time: the first request's adapter is running, the queued
+    one's waiting; once both end, neither."""
+    paths, _ = adapters("llama")
+    async with open_engine(
+        str(checkpoints("llama")), dtype="float32", lora_modules=paths, max_num_seqs=1
+    ) as engine:
+        assert engine.scheduled_adapters() == ([], [])
+        long = dict(temperature=0, max_tokens=400, ignore_eos=True)
+        first = await engine.submit("hello", lora="attn", **long)
+        async for _delta in engine.watch(first.id):
+            break  # it runs
+        second = await engine.submit("hello", lora="every", **long)
+        assert engine.scheduled_adapters() == (["attn"], ["every"])
+        await engine.cancel(second.id)
+        await engine.cancel(first.id)
+        assert engine.scheduled_adapters() == ([], [])
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_adapter_that_is_not_loaded_is_refused(
     checkpoints: Any, adapters: Adapters, open_engine: Any

@@ -275,6 +275,7 @@ def test_adapters_load_and_unload_at_run_time(
             return http.post("/v1/completions", json={"model": model, **greedy})
 
         assert completion("sql").status_code == 404
+        assert "vllm:lora_requests_info" not in http.get("/metrics").text  # none served
         loaded = http.post(
             "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter[0])}
         )
@@ -302,7 +303,12 @@ def test_adapters_load_and_unload_at_run_time(
             next(events)  # it runs
             busy = http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
             assert busy.status_code == 409 and "1 live request" in busy.text
-            assert 'kvscope_lora_requests{adapter="sql"} 1.0' in http.get("/metrics").text
+            metrics = http.get("/metrics").text
+            assert 'kvscope_lora_requests{adapter="sql"} 1.0' in metrics
+            assert (
+                'vllm:lora_requests_info{max_lora="1",running_lora_adapters="sql",'
+                'waiting_lora_adapters=""}' in metrics
+            )
             assert http.delete(f"/requests/{request_id}").status_code == 200
         wait_clean(live)
         assert 'kvscope_lora_requests{adapter="sql"} 0.0' in http.get("/metrics").text
