@@ -3,8 +3,8 @@
 One cluster per test session (starting Ray and loading two engines takes a minute on
 this machine): the `kvscope serve --replicas 2` command in a subprocess, which starts
 a small local Ray (4 logical CPUs, no dashboard), deploys two replicas of a long-context
-copy of the bundled model (see `long_context_model`), and on SIGINT stops Serve (each replica drains) and
-Ray. Every test ends with a leak check on every replica: no block in use, no live
+copy of the bundled model (see `long_context_model`) with a LoRA adapter (`sql`, see
+`lora_adapter`), and on SIGINT stops Serve (each replica drains) and Ray. Every test ends with a leak check on every replica: no block in use, no live
 request, no request task. Tests talk to it with real clients through Serve's proxy.
 Each test module skips, saying why, when Ray Serve is not installed (this file
 imports no Ray).
@@ -58,6 +58,9 @@ class Cluster:
     process: subprocess.Popen[str]
     url: str
     log_path: Path
+    #: What every replica serves: the model's directory, and the `sql` adapter's.
+    model: Path
+    adapter: Path
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
@@ -140,11 +143,45 @@ def long_context_model(directory: Path) -> Path:
     return directory
 
 
+def lora_adapter(directory: Path, model: Path) -> Path:
+    """A LoRA adapter of the model's q and v projections as PEFT saves one (random A
+    and B, rank 4), written with safetensors alone: Ray's tests need no peft."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    hidden, rank = config["hidden_size"], 4
+    outputs = {
+        "q": config["num_attention_heads"] * config["head_dim"],
+        "v": config["num_key_value_heads"] * config["head_dim"],
+    }
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for part, out_features in outputs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{part}_proj"
+            for half, shape in (("A", (rank, hidden)), ("B", (out_features, rank))):
+                tensors[f"{key}.lora_{half}.weight"] = 0.3 * torch.randn(
+                    *shape, generator=generator
+                )
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    settings = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(settings))
+    return directory
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("ray") / "serve.log"
     model = long_context_model(tmp_path_factory.mktemp("long-context-model"))
+    adapter = lora_adapter(tmp_path_factory.mktemp("lora") / "sql", model)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     with log_path.open("w") as log:
@@ -152,7 +189,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             [sys.executable, "-m", "kvscope.cli", "serve", "--replicas", str(REPLICAS)]
             + ["--port", str(port), "--ray-cpus", "4", "--model", str(model)]
             + ["--kv-cache-tokens", str(LONG_CONTEXT)]
-            + ["--drain-timeout", str(DRAIN_TIMEOUT)]
+            + ["--drain-timeout", str(DRAIN_TIMEOUT), "--lora-modules", f"sql={adapter}"]
             + ["--model-threads", "1", "--log-level", "WARNING"],
             cwd=ROOT,
             env=env,
@@ -161,7 +198,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             text=True,
             start_new_session=True,  # Ray's own processes go with it at the end
         )
-    running = Cluster(process, f"http://127.0.0.1:{port}", log_path)
+    running = Cluster(process, f"http://127.0.0.1:{port}", log_path, model, adapter)
     try:
         try:
             running.wait_replicas()

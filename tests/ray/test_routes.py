@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import httpx
 import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'kvscope[ray]'")
 
+from kvscope import Engine  # noqa: E402
 from kvscope.replicas.ids import owner_of  # noqa: E402
 
 from .conftest import LONG, Cluster, wait_for  # noqa: E402
@@ -101,6 +103,39 @@ def test_openai_n_samples_share_one_replica(live: Cluster) -> None:
         answer = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "n": 3})
         assert answer.status_code == 200, answer.text
         assert len(answer.json()["choices"]) == 3
+
+
+def test_every_replica_serves_the_lora_adapter(live: Cluster) -> None:
+    """`--lora-modules` reaches every replica: completions that name the adapter land on
+    both, and each answers with the adapter's tokens, those of an engine in this process
+    with the same adapter (not the base model's)."""
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    answers: dict[str, tuple[str, str]] = {}  # prompt -> (replica, text)
+    with live.client() as client:
+        listed = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+        assert listed["sql"]["parent"] != "sql" and listed["sql"]["parent"] in listed
+        while len({replica for replica, _ in answers.values()}) < 2:
+            prompt = f"Once upon a time {len(answers)}"
+            done = client.post("/v1/completions", json={"model": "sql", "prompt": prompt, **greedy})
+            assert done.status_code == 200, done.text
+            assert done.json()["model"] == "sql"
+            answers[prompt] = (done.headers["x-kvscope-replica"], done.json()["choices"][0]["text"])
+            assert len(answers) < 20, "the router sent every completion to one replica"
+        base = client.post("/v1/completions", json={"prompt": next(iter(answers)), **greedy})
+        assert base.status_code == 200, base.text
+
+    async def reference() -> dict[str, str]:
+        async with Engine.open(
+            str(live.model), device="cpu", lora_modules={"sql": str(live.adapter)}, model_threads=1
+        ) as engine:
+            return {
+                prompt: (await engine.generate(prompt, lora="sql", **greedy)).text
+                for prompt in answers
+            }
+
+    expected = anyio.run(reference)
+    assert {prompt: text for prompt, (_, text) in answers.items()} == expected
+    assert base.json()["choices"][0]["text"] != expected[next(iter(answers))]
 
 
 def test_stats_and_metrics_gather_every_replica(live: Cluster) -> None:
