@@ -1,6 +1,7 @@
 """kvscope: an LLM inference server and library whose requests cancel in milliseconds
 and free their KV cache at once, leaving every other request untouched."""
 
+from kvscope.actors.beam_search import BeamSearchParams
 from kvscope.actors.engine import Engine
 from kvscope.actors.handles import Job, MergedStream, Request, merge_streams
 from kvscope.actors.messages import CancelReport, Completion, Delta, RequestInfo
@@ -18,6 +19,7 @@ from kvscope.params import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
+    "BeamSearchParams",
     "CancelReport",
     "Completion",
     "Delta",

@@ -14,13 +14,15 @@ chunk with the usage and `[DONE]`) goes out as one body chunk.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import anyio
 
-from kvscope import Engine, Job, merge_streams
+from kvscope import BeamSearchParams, Completion, Engine, Job, merge_streams
+from kvscope.actors.beam_search import gather
 from kvscope.params import GUIDES, SamplingParams, field_of
 
 from .auth import current_owner
@@ -83,6 +85,36 @@ async def start(
     return jobs
 
 
+async def beam_search(
+    ctx: ServerContext, plans: list[Plan], body: OpenAISampling
+) -> list[Completion]:
+    """Each prompt's `n` best beams, in choice order (the prompts searched at once).
+    The searches run in this call's scope: a client that goes away cancels them."""
+    if refusal := body.beam_search_refusal():
+        raise ApiError(400, refusal[0], param=refusal[1])
+    for _ids, max_tokens in plans:  # the sampling fields' own checks, as for a sample
+        await check_sampling(ctx.engine, body, max_tokens)
+    temperature = body.temperature if "temperature" in body.model_fields_set else 0.0
+
+    def search(ids: list[int], max_tokens: int) -> Callable[[], Awaitable[list[Completion]]]:
+        params = BeamSearchParams(
+            beam_width=body.n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            length_penalty=body.length_penalty,
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            lora=adapter_of(ctx.engine, body.model),
+            owner=current_owner(),
+            priority=body.priority,
+        )
+        return functools.partial(ctx.engine.beam_search, ids, params)
+
+    found = await gather([search(ids, max_tokens) for ids, max_tokens in plans])
+    return [beam for beams in found for beam in beams]
+
+
 def cancel_all(ctx: ServerContext, jobs: list[Job], reason: str) -> None:
     for job in reversed(jobs):  # children first, so each records this reason itself
         ctx.engine.cancel_nowait(job.id, reason=reason)
@@ -100,19 +132,25 @@ async def complete(
     """Run the call and answer it: an SSE stream with `stream`, else the whole response.
     A chat's `reasoning` parser tells its reasoning (`reasoning_content`) from its
     answer, the content, in which its tool calls are read."""
-    jobs = await start(ctx, plans, body, tools)
     view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
     model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
-    fmt = ChunkFormat(jobs[0].id, int(time.time()), model, chat=chat)
-    if body.stream:
+    if body.use_beam_search:
+        results = await beam_search(ctx, plans, body)
+        request_id = results[0].id
+    else:
+        jobs = await start(ctx, plans, body, tools)
+        request_id = jobs[0].id
+    fmt = ChunkFormat(request_id, int(time.time()), model, chat=chat)
+    if not body.use_beam_search and body.stream:
         chunks = stream_chunks(jobs, body, view, fmt, tools, reasoning)
         ids = [job.id for job in reversed(jobs)]
-        return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
-    try:
-        results = [await job.wait() for job in jobs]
-    finally:
-        if not all(job.done for job in jobs):
-            cancel_all(ctx, jobs, disconnect_reason())
+        return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), request_id)
+    if not body.use_beam_search:
+        try:
+            results = [await job.wait() for job in jobs]
+        finally:
+            if not all(job.done for job in jobs):
+                cancel_all(ctx, jobs, disconnect_reason())
     choices = []
     for index, result in enumerate(results):
         choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}
@@ -143,7 +181,7 @@ async def complete(
     }
     if body.prompt_logprobs is not None and chat:  # vLLM's place for the one prompt's
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
-    return answer, 200, {"X-Request-Id": jobs[0].id}
+    return answer, 200, {"X-Request-Id": request_id}
 
 
 async def stream_chunks(

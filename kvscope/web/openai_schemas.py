@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope import InvalidRequest
+from kvscope.actors.beam_search import MAX_BEAM_WIDTH
 from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
@@ -35,6 +36,41 @@ def set_by_client(body: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
     """The fields of `names` that the client set in `body` (a field with a checkpoint
     generation default goes only then, so the engine fills it otherwise)."""
     return {name: getattr(body, name) for name in names if name in body.model_fields_set}
+
+
+#: The fields beam search would not apply (vLLM drops them): refused with it unless
+#: left at their defaults. It applies `n` (the width), `max_tokens`, `temperature` (a
+#: drawn token joins a step's candidates), `ignore_eos`, `include_stop_str_in_output`,
+#: `skip_special_tokens`, `length_penalty`, `priority` and the adapter `model` names.
+BEAM_SEARCH_REFUSES = (
+    "stream",
+    "stream_options",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+    "allowed_token_ids",
+    "bad_words",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "tools",
+    "tool_choice",
+)
 
 
 class StreamOptions(BaseModel):
@@ -90,7 +126,7 @@ class ResponseFormat(BaseModel):
 
 class OpenAISampling(BaseModel):
     """Fields both routes take. Any other field is refused with a 400 naming it (for
-    example `suffix`, `functions`, `modalities`, `use_beam_search`); `best_of` above
+    example `suffix`, `functions`, `modalities`); `best_of` above
     1 is refused too. `user`, `metadata`, `store` and `service_tier` have no effect
     on the output and are accepted. Log-probabilities are the model's raw ones
     (before penalties, bias, grammar, temperature, top-k and top-p), as vLLM's
@@ -141,6 +177,12 @@ class OpenAISampling(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's: json, regex, choice or grammar"
     )
+    use_beam_search: bool = Field(
+        False, description=f"vLLM's: the n (up to {MAX_BEAM_WIDTH}) best beams; not streamed"
+    )
+    length_penalty: float = Field(
+        1.0, description="vLLM's, with use_beam_search: beams rank by logprob / length ** this"
+    )
     # No effect on the output: accepted and ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -183,6 +225,20 @@ class OpenAISampling(BaseModel):
         if self.structured_outputs is not None:
             params.update(self.structured_outputs.guides())
         return params
+
+    def beam_search_refusal(self) -> tuple[str, str] | None:
+        """With `use_beam_search`, why the body cannot be searched and the field to
+        name (None if it can): beam search is not streamed, and draws with none of the
+        sampling fields (a field it would drop must not be sent)."""
+        if not self.use_beam_search:
+            return None
+        if self.n > MAX_BEAM_WIDTH:
+            return f"use_beam_search takes n of at most {MAX_BEAM_WIDTH} (the beam width)", "n"
+        for name in BEAM_SEARCH_REFUSES:
+            field = type(self).model_fields.get(name)
+            if field is not None and getattr(self, name) != field.default:
+                return f"{name} is not applied with use_beam_search", name
+        return None
 
     @property
     def guide_fields(self) -> list[str]:

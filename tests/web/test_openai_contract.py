@@ -153,7 +153,8 @@ def test_fields_that_would_change_the_output_are_refused(client: openai.OpenAI) 
 
     refused(completion(suffix="tail"), "suffix")
     refused(completion(best_of=2, n=1), "best_of")
-    refused(completion(extra_body={"use_beam_search": True}), "use_beam_search")
+    searched = {"use_beam_search": True, "n": 2}
+    refused(completion(top_p=0.5, extra_body=searched), "top_p")  # beam search drops it
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     refused(chat(tool_choice="auto"), "tool_choice")  # no tools to choose from
     refused(chat(extra_body={"functions": [tool["function"]]}), "functions")

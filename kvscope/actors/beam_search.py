@@ -1,0 +1,190 @@
+"""Beam search, as vLLM serves it (`use_beam_search`, `LLM.beam_search`).
+
+Like vLLM's, the search is built on requests of one token each: every step runs each
+live beam (the prompt and the beam's tokens so far) as a request of `max_tokens=1` with
+the `2 * beam_width` most likely next tokens' log-probabilities, all beams of a step at
+once, so they share the step's batch and the prefix cache (each beam's prompt is
+found computed up to its last full block). A candidate whose token ends the text (an
+EOS of the model) is a finished beam; the `beam_width` best of the rest go on. At the
+end the finished and the live beams are ranked by `cumulative log-probability /
+length ** length_penalty` (the length counts the prompt, and not a final EOS), as
+vLLM ranks them. Log-probabilities are the model's raw ones; a temperature above 0
+only adds the token drawn at it to a step's candidates, as in vLLM.
+
+Ending it: the search runs in its caller's scope, so a caller that leaves (a closed
+connection, a cancelled task) cancels the step's requests, which free their blocks as
+any request does. A step's requests are requests like any other: listed, and a
+`DELETE` of one ends the search with the beams found so far (finish reason
+`cancelled`, vLLM's `abort`). A request that fails fails the search.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import attrs
+
+from kvscope.errors import InvalidRequest
+from kvscope.params import MAX_LOGPROBS
+
+from .messages import Completion
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+T = TypeVar("T")
+
+#: The widest search: each step asks for 2 * width log-probabilities.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+
+
+@attrs.frozen(kw_only=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, and the request options a step's requests take."""
+
+    beam_width: int
+    max_tokens: int
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    #: Keep a finished beam's EOS in its `token_ids` (never in its text).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    lora: str | None = None
+    owner: str | None = None
+    priority: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise InvalidRequest(f"beam search takes a beam width (n) of 1 to {MAX_BEAM_WIDTH}")
+        if self.max_tokens < 1:
+            raise InvalidRequest("beam search needs max_tokens of at least 1")
+        if not math.isfinite(self.length_penalty):
+            raise InvalidRequest("length_penalty must be a finite number")
+
+
+@attrs.frozen
+class _Beam:
+    tokens: tuple[int, ...]  # generated so far
+    logprob: float  # their cumulative log-probability
+    finish_reason: str = "length"
+
+
+async def beam_search(
+    engine: Engine, prompt: list[int], params: BeamSearchParams
+) -> list[Completion]:
+    """The `beam_width` best beams for `prompt` (token ids), best first, each as a
+    `Completion` whose id is the search's first request's; a step's request that fails
+    ends the search with one `Completion` of finish reason `error`."""
+    if len(prompt) + params.max_tokens > engine.max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: more "
+            f"than this model's context ({engine.max_model_len})"
+        )
+    eos = set(() if params.ignore_eos else engine.tokenizer.eos_token_ids)
+    width = params.beam_width
+    options: dict[str, Any] = dict(
+        max_tokens=1,
+        logprobs=2 * width,
+        temperature=params.temperature,
+        ignore_eos=True,  # the search decides what an EOS means
+        lora=params.lora,
+        owner=params.owner,
+        priority=params.priority,
+    )
+    live, finished = [_Beam((), 0.0)], []
+    first_id = ""
+    for _ in range(params.max_tokens):
+        done = await _step(engine, prompt, live, options)
+        first_id = first_id or done[0].id
+        if failed := next((out for out in done if out.finish_reason == "error"), None):
+            return [
+                Completion(
+                    id=first_id,
+                    text="",
+                    token_ids=(),
+                    finish_reason="error",
+                    prompt_tokens=len(prompt),
+                    error=failed.error,
+                )
+            ]
+        if any(out.finish_reason == "cancelled" for out in done):
+            live = [attrs.evolve(beam, finish_reason="cancelled") for beam in live]
+            break
+        candidates: list[tuple[float, int, _Beam]] = []
+        for beam, out in zip(live, done, strict=True):
+            assert out.logprobs
+            step = out.logprobs[0]
+            scores = dict(step.top)
+            scores.setdefault(out.token_ids[0], step.logprob)  # the token drawn
+            for token, logprob in scores.items():
+                if token in eos:
+                    kept = (token,) if params.include_stop_str_in_output else ()
+                    finished.append(_Beam(beam.tokens + kept, beam.logprob + logprob, "stop"))
+                else:
+                    candidates.append((beam.logprob + logprob, token, beam))
+        candidates.sort(key=lambda c: -c[0])
+        live = [_Beam(beam.tokens + (token,), score) for score, token, beam in candidates[:width]]
+        if not live:
+            break
+
+    def rank(beam: _Beam) -> float:
+        length = len(prompt) + len(beam.tokens)
+        if beam.tokens and beam.tokens[-1] in eos:
+            length -= 1  # vLLM's rule: a kept EOS does not count
+        return beam.logprob / (max(length, 1) ** params.length_penalty)
+
+    best = sorted(finished + live, key=rank, reverse=True)[:width]
+    decode = engine.tokenizer.decode
+    return [
+        Completion(
+            id=first_id,
+            text=decode(_text_tokens(beam, eos), skip_special_tokens=params.skip_special_tokens),
+            token_ids=beam.tokens,
+            finish_reason=beam.finish_reason,
+            prompt_tokens=len(prompt),
+            cumulative_logprob=beam.logprob,
+        )
+        for beam in best
+    ]
+
+
+def _text_tokens(beam: _Beam, eos: set[int]) -> list[int]:
+    """A beam's tokens but the EOS that ended it, which is never in its text."""
+    tokens = list(beam.tokens)
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+async def _step(
+    engine: Engine, prompt: list[int], beams: list[_Beam], options: dict[str, Any]
+) -> list[Completion]:
+    """Each beam's next-token request, all at once (they share the engine's steps)."""
+    return await gather(
+        [functools.partial(engine.generate, prompt + list(b.tokens), **options) for b in beams]
+    )
+
+
+async def gather(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """The calls' results, in order, the calls run at once. The first that raises
+    cancels the others, and its exception is raised as it is (not in a group), so an
+    `InvalidRequest` or `EngineOverloaded` reaches the caller as itself."""
+    results: list[Any] = [None] * len(calls)
+    failures: list[Exception] = []
+
+    async def run(index: int, call: Callable[[], Awaitable[T]]) -> None:
+        try:
+            results[index] = await call()
+        except Exception as exc:
+            failures.append(exc)
+            tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for index, call in enumerate(calls):
+            tg.start_soon(run, index, call)
+    if failures:
+        raise failures[0]
+    return results
