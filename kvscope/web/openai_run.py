@@ -115,6 +115,15 @@ async def beam_search(
     return [beam for beams in found for beam in beams]
 
 
+async def wait_all(ctx: ServerContext, jobs: list[Job]) -> list[Completion]:
+    """The jobs' completions; a client that goes away meanwhile cancels them."""
+    try:
+        return [await job.wait() for job in jobs]
+    finally:
+        if not all(job.done for job in jobs):
+            cancel_all(ctx, jobs, disconnect_reason())
+
+
 def cancel_all(ctx: ServerContext, jobs: list[Job], reason: str) -> None:
     for job in reversed(jobs):  # children first, so each records this reason itself
         ctx.engine.cancel_nowait(job.id, reason=reason)
@@ -136,21 +145,15 @@ async def complete(
     model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
     if body.use_beam_search:
         results = await beam_search(ctx, plans, body)
-        request_id = results[0].id
     else:
         jobs = await start(ctx, plans, body, tools)
-        request_id = jobs[0].id
-    fmt = ChunkFormat(request_id, int(time.time()), model, chat=chat)
-    if not body.use_beam_search and body.stream:
-        chunks = stream_chunks(jobs, body, view, fmt, tools, reasoning)
-        ids = [job.id for job in reversed(jobs)]
-        return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), request_id)
-    if not body.use_beam_search:
-        try:
-            results = [await job.wait() for job in jobs]
-        finally:
-            if not all(job.done for job in jobs):
-                cancel_all(ctx, jobs, disconnect_reason())
+        if body.stream:
+            fmt = ChunkFormat(jobs[0].id, int(time.time()), model, chat=chat)
+            chunks = stream_chunks(jobs, body, view, fmt, tools, reasoning)
+            ids = [job.id for job in reversed(jobs)]
+            return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
+        results = await wait_all(ctx, jobs)
+    fmt = ChunkFormat(results[0].id, int(time.time()), model, chat=chat)
     choices = []
     for index, result in enumerate(results):
         choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}
@@ -181,7 +184,7 @@ async def complete(
     }
     if body.prompt_logprobs is not None and chat:  # vLLM's place for the one prompt's
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
-    return answer, 200, {"X-Request-Id": request_id}
+    return answer, 200, {"X-Request-Id": results[0].id}
 
 
 async def stream_chunks(

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvscope.kernels.sampling import RowState, sample
+from kvscope.kernels.sampling import TOP_P_CANDIDATES, RowState, sample
 from kvscope.params import SamplingParams, field_of
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
@@ -259,3 +259,52 @@ def test_bad_words_ban_the_token_that_would_complete_one() -> None:
     with pytest.raises(ValueError) as caught:
         SamplingParams(bad_words=[""])
     assert field_of(caught.value) == "bad_words"
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_batch() -> None:
+    """Rows of other temperatures, min-p, top-k and top-p settings, and greedy ones,
+    drawn together: each seeded row gives the tokens it gives drawn alone, and keeps
+    to its own top-k."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(5))
+    settings = [
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.3, top_p=0.6),
+        dict(temperature=1.0, min_p=0.2),
+        dict(temperature=0.0),
+        dict(temperature=1.5, top_k=40, top_p=0.9, min_p=0.01),
+    ]
+    params = [SamplingParams(max_tokens=8, **s) for s in settings]
+
+    def seeded() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
+
+    together, alone = seeded(), seeded()
+    for _ in range(50):
+        batch = [s.token for s in sample(logits, params, together)]
+        singles = [
+            sample(logits[i : i + 1], [params[i]], [alone[i]])[0].token for i in range(len(params))
+        ]
+        assert batch == singles
+        assert batch[0] in set(logits[0].topk(5).indices.tolist())
+        assert batch[3] == int(logits[3].argmax())
+
+
+def test_top_p_keeps_the_nucleus_even_past_the_first_candidates() -> None:
+    """softmax([log .5, log .3, log .15, log .05]) with top_p 0.7: the first two tokens
+    hold it, so only they are drawn, at their renormalized shares. A nearly flat row of
+    1,000 tokens has a nucleus of hundreds: every draw is in it (the reference: sort
+    the whole row), and draws reach past the first candidates looked at."""
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits = torch.tensor([[math.log(p) for p in probs]])
+    counts = draw_counts(logits, SamplingParams(temperature=1.0, top_p=0.7, max_tokens=8), seed=4)
+    assert counts[2] == counts[3] == 0
+    for p, count in zip(probs[:2], counts[:2], strict=True):
+        share = p / 0.8
+        assert abs(count / DRAWS - share) < 5 * math.sqrt(share * (1 - share) / DRAWS)
+    flat = -torch.arange(1000, dtype=torch.float32)[None] * 1e-3
+    ordered = torch.softmax(flat[0], dim=-1)  # already most likely first
+    nucleus = int(((torch.cumsum(ordered, dim=-1) - ordered) <= 0.5).sum())
+    params = [SamplingParams(temperature=1.0, top_p=0.5, max_tokens=8)]
+    generator = torch.Generator().manual_seed(5)
+    drawn = {sample(flat, params, [generator])[0].token for _ in range(3_000)}
+    assert max(drawn) < nucleus and max(drawn) > 4 * TOP_P_CANDIDATES  # past the first look
