@@ -138,6 +138,26 @@ def test_throughput_smoke(
         assert plot.is_file()
 
 
+def test_throughput_sampled_smoke(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--temperature` and `--top-p` reach every system's requests and the record; the
+    transformers peer, greedy only, says why it did not run."""
+    out = tmp_path / "t.json"
+    argv = ["bench", "throughput", "--model", str(tiny_checkpoint), "--dtype", "float32"]
+    argv += ["--concurrency", "1", "--min-requests", "2", "--prompt-tokens", "16"]
+    argv += ["--max-tokens", "4", "--threads", "1", "--peers", "kvscope-serve,transformers"]
+    argv += ["--worker", "thread", "--paired-rounds", "0", "--temperature", "1"]
+    argv += ["--top-p", "0.9", "--log-dir", str(tmp_path), "--json", str(out)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["config"]["temperature"] == 1 and r["config"]["top_p"] == 0.9
+    (served,) = r["kvscope_serve"]
+    assert all(lv["output_tokens"] == lv["requests"] * 4 for lv in served["levels"])
+    assert "greedy only" in r["missing"]["transformers"]
+    assert "Requests: sampled at temperature 1, top_p 0.9, ignore_eos" in capsys.readouterr().out
+
+
 def test_cancel_smoke(tmp_path: Path) -> None:
     out, plot = tmp_path / "c.json", tmp_path / "c.png"
     argv = [

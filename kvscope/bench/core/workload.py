@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import attrs
+
+#: Every system's requests are greedy unless the run asks otherwise.
+GREEDY: dict[str, Any] = {"temperature": 0.0}
 
 
 @attrs.frozen
 class Workload:
     prompts: list[list[int]]
     max_tokens: int
+    #: The sampling fields every request sends, the same for every system.
+    sampling: dict[str, Any] = attrs.field(factory=lambda: dict(GREEDY))
 
     @property
     def num_requests(self) -> int:

@@ -21,6 +21,7 @@ import argparse
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import attrs
@@ -49,6 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every system's requests sample at this temperature (default 0: greedy)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="and keep this top-p nucleus (default 1: all)"
+    )
     p.add_argument(
         "--hf-requests", type=int, default=4, help="requests for transformers one at a time"
     )
@@ -81,12 +91,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling fields every system's requests send."""
+    sampling = {"temperature": args.temperature}
+    if args.top_p < 1.0:
+        sampling["top_p"] = args.top_p
+    return sampling
+
+
 def build_levels(args: argparse.Namespace, vocab: int) -> list[tuple[int, Workload]]:
     levels = []
     for c in ints(args.concurrency):
         count = max(c, args.min_requests)
         prompts = make_prompts(count, args.prompt_tokens, vocab, seed=1000 + c)
-        levels.append((c, Workload(prompts, args.max_tokens)))
+        levels.append((c, Workload(prompts, args.max_tokens, sampling_of(args))))
     return levels
 
 
@@ -186,8 +204,10 @@ def hf_phase(
 ) -> list[HfRun]:
     from . import hf_peer
 
-    why = hf_peer.available() or (
-        None if Path(model).is_dir() else "transformers needs a checkpoint dir, not " + model
+    why = (
+        hf_peer.available()
+        or (None if Path(model).is_dir() else "transformers needs a checkpoint dir, not " + model)
+        or (None if args.temperature == 0 else "its runs are greedy only (--temperature 0)")
     )
     if why:
         missing["transformers"] = why
@@ -241,6 +261,8 @@ def config_of(args: argparse.Namespace, model: str, levels) -> Config:
         requests_per_level={str(c): w.num_requests for c, w in levels},
         threads=ints(args.threads),
         hf_requests=args.hf_requests,
+        temperature=args.temperature,
+        top_p=args.top_p,
     )
 
 

@@ -91,14 +91,18 @@ class StepRecorder:
 
 
 async def _one(
-    engine: Engine, prompt: list[int], max_tokens: int, limit: anyio.Semaphore, out: list[Timing]
+    engine: Engine,
+    prompt: list[int],
+    workload: Workload,
+    limit: anyio.Semaphore,
+    out: list[Timing],
 ) -> None:
     async with limit:
         t0 = time.perf_counter()
         times: list[float] = []
         tokens = 0
         async with engine.request(
-            prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True
+            prompt, max_tokens=workload.max_tokens, ignore_eos=True, **workload.sampling
         ) as req:
             async for delta in req:
                 if delta.token_ids:
@@ -114,7 +118,7 @@ async def run_level(engine: Engine, workload: Workload, concurrency: int, timeou
     with anyio.fail_after(timeout):
         async with anyio.create_task_group() as tg:
             for prompt in workload.prompts:
-                tg.start_soon(_one, engine, prompt, workload.max_tokens, limit, records)
+                tg.start_soon(_one, engine, prompt, workload, limit, records)
     wall = time.perf_counter() - t0
     return level_figures(concurrency, records, wall)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import aiohttp
 import anyio
@@ -22,13 +23,17 @@ from .records import Level
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, model: str, prompt: list[int], max_tokens: int
+    session: aiohttp.ClientSession,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: dict[str, Any],
 ) -> Timing:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        **sampling,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -67,7 +72,11 @@ async def run_http_level(
 
     async def one(client: aiohttp.ClientSession, prompt: list[int]) -> None:
         async with limit:
-            records.append(await stream_completion(client, model, prompt, workload.max_tokens))
+            records.append(
+                await stream_completion(
+                    client, model, prompt, workload.max_tokens, workload.sampling
+                )
+            )
 
     clock = CpuClock()
     async with session(base_url, timeout=timeout, connections=concurrency + 4) as client:

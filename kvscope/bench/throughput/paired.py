@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 
 import anyio
+import attrs
 
 from kvscope import Engine
 
@@ -95,4 +96,4 @@ def rotated(workload: Workload, shift: int) -> Workload:
     as a prompt of an earlier round did, so the prefix cache holds none of it and every
     round prefills as the first did (given the same prompts, later rounds found them
     cached)."""
-    return Workload([p[shift:] + p[:shift] for p in workload.prompts], workload.max_tokens)
+    return attrs.evolve(workload, prompts=[p[shift:] + p[:shift] for p in workload.prompts])

@@ -159,6 +159,7 @@ class Config(Record):
     threads: list[int]
     hf_requests: int
     temperature: float = 0
+    top_p: float = 1.0
     ignore_eos: bool = True
 
 

@@ -171,8 +171,16 @@ def headline_tables(r: ThroughputResult) -> list[str]:
     return out
 
 
+def _sampling_line(r: ThroughputResult) -> str:
+    config = r.config
+    if config.temperature == 0:
+        return "Requests: greedy, ignore_eos"
+    top_p = f", top_p {config.top_p:g}" if config.top_p < 1 else ""
+    return f"Requests: sampled at temperature {config.temperature:g}{top_p}, ignore_eos"
+
+
 def throughput_tables(r: ThroughputResult) -> str:
-    out = [r.machine.summary(), ""]
+    out = [r.machine.summary(), _sampling_line(r), ""]
     out += tokens_table(r) + latency_table(r) + servers_table(r) + overhead_table(r)
     out += paired_table(r) + headline_tables(r)
     out += [f"\nPEER MISSING: {peer}: {why}" for peer, why in r.missing.items()]
