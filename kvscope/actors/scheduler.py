@@ -81,11 +81,9 @@ class Scheduler:
 
     def adapters(self) -> tuple[set[str], set[str]]:
         """The LoRA adapters of the running sequences, and of the waiting ones."""
+        waiting = self._members.difference(self.running)
         running = {seq.params.lora for seq in self.running if seq.params.lora}
-        waiting = {
-            seq.params.lora for seq in self._members if seq.params.lora and seq not in self.running
-        }
-        return running, waiting
+        return running, {seq.params.lora for seq in waiting if seq.params.lora}
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.QUEUED

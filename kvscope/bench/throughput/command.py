@@ -252,6 +252,7 @@ def vllm_phase(
 
 
 def config_of(args: argparse.Namespace, model: str, levels) -> Config:
+    sampling = levels[0][1].sampling  # what the requests sent, recorded from them
     return Config(
         model=model,
         dtype=args.dtype,
@@ -261,8 +262,8 @@ def config_of(args: argparse.Namespace, model: str, levels) -> Config:
         requests_per_level={str(c): w.num_requests for c, w in levels},
         threads=ints(args.threads),
         hf_requests=args.hf_requests,
-        temperature=args.temperature,
-        top_p=args.top_p,
+        temperature=sampling["temperature"],
+        top_p=sampling.get("top_p", 1.0),
     )
 
 
