@@ -61,7 +61,10 @@ def add_engine_arguments(
     group.add_argument(
         "--model",
         default=None,
-        help=f"bundled | tiny-random | a Hugging Face checkpoint dir (default: {DEFAULT_MODEL})",
+        help=(
+            "smollm2 (a real chat model, fetched once) | a .gguf file | a Hugging Face "
+            f"checkpoint dir | bundled | tiny-random (default: {DEFAULT_MODEL})"
+        ),
     )
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -18,6 +18,7 @@ from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.device import select_device
+from kvscope.models.catalog import resolve_model
 from kvscope.models.loader import LoadedModel, load_model, served_as
 from kvscope.models.lora import check_adapter_name
 from kvscope.models.runner import ModelRunner
@@ -44,8 +45,13 @@ class Parts:
 
 
 async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]) -> Parts:
-    """Load `model` and build the rest around it (`Engine.open`'s arguments)."""
+    """Load `model` and build the rest around it (`Engine.open`'s arguments). A short
+    name (`models/catalog.py`) is served under that name from its file."""
     engine_config = EngineConfig.from_kwargs(**config)
+    short_name = model
+    model = await anyio.to_thread.run_sync(resolve_model, short_name)
+    if model != short_name and engine_config.served_model_name is None:
+        engine_config = attrs.evolve(engine_config, served_model_name=short_name)
     torch_device = select_device(device)
     if engine_config.model_threads:
         torch.set_num_threads(engine_config.model_threads)
