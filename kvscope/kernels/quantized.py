@@ -1,4 +1,4 @@
-"""Quantized weights as GGUF files hold them, kept quantized in memory.
+"""Quantized weights as GGUF files hold them, kept quantized in memory and multiplied so.
 
 `QuantizedWeight` is the one type that crosses from the model files (`models/gguf*.py`,
 which read a GGUF tensor and build one) to the kernels that multiply it: the GGML block
@@ -6,14 +6,55 @@ type by name (`"Q4_1"`, `"Q8_0"`, `"Q4_K"`, ...), the logical shape `(out_featur
 in_features)` as a linear layer sees it, and the raw blocks, one row of the weight per
 row of `data` (each row is quantized on its own, so a row range is a view and a row
 permutation is a row gather, whatever the type).
+
+`quantized_linear(x, weight, bias)` is `x W^T + b` without a float copy of `W`:
+
+* few rows (a decode step, up to `DOT_ROWS`): the compiled library's `quant_linear`
+  (`csrc/quant_matmul.cpp`) quantizes each row of `x` to 8 bits a block of 32 and
+  takes integer dot products with the weight's codes (AVX-512 VNNI or AVX2), reading
+  each weight byte once;
+* more rows (prefill): a slab of `SLAB_VALUES` weight values at a time is dequantized
+  to `x`'s dtype (the library's `quant_dequantize`) and multiplied by `F.linear`
+  (oneDNN), the slab still in cache;
+* without the library (no compiler, a failed build or check, another device, a type it
+  lacks): the same slabs dequantized in torch (`ggml_quants.dequantize_rows`). Each
+  call dequantizes again; no float copy of the weight is kept (that would cost the
+  float model's memory, which is what the quantized file saves).
+
+Thresholds measured on the 2-core AMD EPYC (AVX-512 VNNI/BF16) dev machine, 2
+threads, SmolLM2-135M shapes: see `DOT_ROWS` and `kvscope/bench/quant_matmul.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import attrs
 import torch
+import torch.nn.functional as F
 
-__all__ = ["QuantizedWeight"]
+from .cpu_decode import cpu_kernel
+from .ggml_quants import BLOCKS, SUPPORTED_TYPES, dequantize_rows
+
+__all__ = [
+    "COMPILED_TYPES",
+    "SUPPORTED_TYPES",
+    "QuantizedWeight",
+    "concat_rows",
+    "dequantize",
+    "quantized_linear",
+]
+
+#: The block types the compiled library multiplies; the rest go through torch.
+COMPILED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+#: Up to this many rows the integer dot-product kernel serves; above, dequantized slabs
+#: and `F.linear`.
+DOT_ROWS = 8
+#: Weight values a dequantized slab holds: compiled (in cache), and torch (larger, since
+#: each torch slab costs a dozen op dispatches).
+SLAB_VALUES = 1 << 18
+FALLBACK_SLAB_VALUES = 1 << 22
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @attrs.frozen
@@ -25,6 +66,27 @@ class QuantizedWeight:
     shape: tuple[int, int]
     data: torch.Tensor
 
+    def __attrs_post_init__(self) -> None:
+        if self.qtype not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"GGML type {self.qtype!r} is not supported (supported: {sorted(SUPPORTED_TYPES)})"
+            )
+        out_features, in_features = self.shape
+        block = BLOCKS[self.qtype]
+        if in_features % block.elems:
+            raise ValueError(
+                f"{self.qtype} rows hold blocks of {block.elems} values; "
+                f"in_features {in_features} is not a multiple"
+            )
+        expected = (out_features, in_features // block.elems * block.nbytes)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise ValueError(
+                f"{self.qtype} weight of shape {self.shape} needs uint8 data of shape "
+                f"{expected}, got {self.data.dtype} {tuple(self.data.shape)}"
+            )
+        if not self.data.is_contiguous():
+            raise ValueError("a quantized weight's data must be contiguous")
+
     @property
     def out_features(self) -> int:
         return self.shape[0]
@@ -32,3 +94,101 @@ class QuantizedWeight:
     @property
     def in_features(self) -> int:
         return self.shape[1]
+
+    def rows(self, lo: int, hi: int) -> QuantizedWeight:
+        """Output rows `lo` to `hi` (exclusive), a view of the same blocks."""
+        if not 0 <= lo <= hi <= self.out_features:
+            raise ValueError(f"rows {lo}:{hi} out of range for {self.out_features} rows")
+        return QuantizedWeight(self.qtype, (hi - lo, self.in_features), self.data[lo:hi])
+
+
+def concat_rows(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """The weights' rows in turn, as one weight (fused q/k/v or gate/up): one type and
+    one `in_features` for all; a copy of their blocks."""
+    if not weights:
+        raise ValueError("concat_rows needs at least one weight")
+    first = weights[0]
+    for weight in weights[1:]:
+        if (weight.qtype, weight.in_features) != (first.qtype, first.in_features):
+            raise ValueError(
+                f"cannot stack a {weight.qtype} weight of {weight.in_features} columns onto "
+                f"{first.qtype} of {first.in_features}"
+            )
+    rows = sum(weight.out_features for weight in weights)
+    data = torch.cat([weight.data for weight in weights])
+    return QuantizedWeight(first.qtype, (rows, first.in_features), data)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight as a `(out_features, in_features)` tensor of `dtype`, equal to what
+    `gguf.quants.dequantize` gives (computed in float32, then cast)."""
+    return dequantize_rows(weight.qtype, weight.data, weight.in_features, dtype)
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x W^T + b` for `x` of shape (..., in_features), in `x`'s dtype."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features; the weight takes {weight.in_features}")
+    if not x.is_floating_point():
+        raise ValueError(f"quantized_linear takes float inputs, got {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.out_features,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} for {weight.out_features} outputs")
+    flat = x.reshape(-1, weight.in_features)
+    y = _linear_2d(flat, weight, bias)
+    return y.view(*x.shape[:-1], weight.out_features)
+
+
+def _linear_2d(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    kernel = cpu_kernel()
+    kernel.start()
+    compiled = (
+        kernel.quant_linear_op is not None
+        and x.device.type == "cpu"
+        and weight.data.device.type == "cpu"
+        and x.dtype in ACTIVATION_DTYPES
+        and weight.qtype in COMPILED_TYPES
+    )
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if not compiled:
+        return _by_slabs(x, weight, bias, _torch_dequantize, FALLBACK_SLAB_VALUES)
+    x = x.contiguous()
+    if x.shape[0] <= DOT_ROWS:
+        out = x.new_empty(x.shape[0], weight.out_features)
+        kernel.quant_linear_op(out, x, weight.data, weight.qtype, weight.in_features, bias)
+        return out
+    dequantize_op = kernel.quant_dequantize_op
+    assert dequantize_op is not None  # loaded with quant_linear_op
+
+    def compiled_dequantize(part: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        values = torch.empty(part.shape, dtype=dtype)
+        dequantize_op(values, part.data, part.qtype)
+        return values
+
+    return _by_slabs(x, weight, bias, compiled_dequantize, SLAB_VALUES)
+
+
+def _torch_dequantize(part: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(part, dtype)
+
+
+def _by_slabs(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    dequantize_part: Callable[[QuantizedWeight, torch.dtype], torch.Tensor],
+    slab_values: int,
+) -> torch.Tensor:
+    """`x W^T + b` a slab of output rows at a time, each slab dequantized to `x`'s dtype
+    and multiplied by `F.linear`; one slab when the weight fits in one."""
+    step = max(1, slab_values // weight.in_features)
+    if step >= weight.out_features:
+        return F.linear(x, dequantize_part(weight, x.dtype), bias)
+    out = x.new_empty(x.shape[0], weight.out_features)
+    for lo in range(0, weight.out_features, step):
+        hi = min(lo + step, weight.out_features)
+        part_bias = None if bias is None else bias[lo:hi]
+        out[:, lo:hi] = F.linear(x, dequantize_part(weight.rows(lo, hi), x.dtype), part_bias)
+    return out
