@@ -147,6 +147,10 @@ class CpuKernel:
         #: One or two bfloat16 rows times a weight (`kernels.linear.small_linear`); set
         #: only where the vector path has VDPBF16PS.
         self.small_linear_op: Callable[..., None] | None = None
+        #: A few rows times a GGML-quantized weight, and its dequantization to slabs
+        #: (`csrc/quant_matmul.cpp`, used by `kernels.quantized`).
+        self.quant_linear_op: Callable[..., None] | None = None
+        self.quant_dequantize_op: Callable[..., None] | None = None
         #: Whether prefill chunks go through `prefill_op` rather than SDPA.
         self.prefill_in_place = False
         self.why_not: str | None = None  # why the fallback serves, once known
