@@ -19,9 +19,9 @@ from .errors import ApiError
 
 
 def is_public(path: str) -> bool:
-    """Liveness (and SageMaker's `/ping`), and the dashboard's page (it asks for a key
-    itself)."""
-    return path in ("/health", "/ping", "/") or path.startswith("/dashboard/")
+    """Liveness and readiness (and SageMaker's `/ping`), and the dashboard's page (it
+    asks for a key itself)."""
+    return path in ("/health", "/ready", "/ping", "/") or path.startswith("/dashboard/")
 
 
 def _authenticate(authorization: str | None) -> str | None:

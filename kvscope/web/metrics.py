@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvscope import Engine
+from kvscope.actors.readiness import waiting_for
 from kvscope.actors.request import RequestState
 
 from .loop_lag import LagProbe
@@ -144,6 +145,13 @@ class _EngineGauges(Collector):
         for name, count in self._engine.adapter_requests().items():
             adapters.add_metric([name], count)
         yield adapters
+        warming = waiting_for(self._engine.device, self._engine.config.worker, stats)
+        yield GaugeMetricFamily(
+            "kvscope_ready",
+            "1 once the server serves at full speed; 0 while a kernel build, the model"
+            " worker's start or the warm-up is pending (GET /ready)",
+            value=0 if warming else 1,
+        )
         yield GaugeMetricFamily(
             "kvscope_open_streams",
             "Open SSE and WebSocket streams",

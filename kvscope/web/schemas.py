@@ -218,6 +218,17 @@ class Stats(BaseModel):
     history_bytes: int
     tokens_generated_total: int
     open_streams: int
+    readiness: Literal["warming", "ready"] = Field(
+        description="ready once the server serves at full speed (GET /ready)"
+    )
+    warming: list[str] = Field(
+        description="what it still waits for: kernel build, model worker, warm-up"
+    )
+
+
+class Readiness(BaseModel):
+    readiness: Literal["warming", "ready"]
+    warming: list[str]
 
 
 class Health(BaseModel):
