@@ -40,6 +40,10 @@ from a zeroed copy. An in-process step of 1,507 rows, two alternating runs: medi
 Every fast layout is checked once, at `plan` time, against `F.linear` on random rows
 within `TOLERANCE`; one that does not hold is dropped with a log line, and the next
 layout down (or `F.linear`) serves. Other dtypes and devices always use `F.linear`.
+
+A weight may also stay quantized as its GGUF file holds it (`kernels/quantized.py`):
+such a `Linear` multiplies through `quantized_linear` (the compiled kernel, checked
+when the library loads, or its torch twin) and `plan` leaves it as it is.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_decode import cpu_kernel
+from .quantized import QuantizedWeight, quantized_linear
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +80,21 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 class Linear:
-    """One weight (and bias) with the layouts `plan` chose for it."""
+    """One weight (and bias) with the layouts `plan` chose for it; a quantized weight's
+    inputs are of `activation_dtype`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        activation_dtype: torch.dtype | None = None,
+    ) -> None:
         self.weight = weight
         self.bias = bias
+        if activation_dtype is None:
+            assert isinstance(weight, torch.Tensor), "a quantized weight names its inputs' dtype"
+            activation_dtype = weight.dtype
+        self.activation_dtype = activation_dtype
         self.packed: torch.Tensor | None = None  # oneDNN prepacked
         self.wide: torch.Tensor | None = None  # float32 copy
         self.wide_packed: torch.Tensor | None = None  # oneDNN prepacked float32 copy
@@ -89,7 +104,26 @@ class Linear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def quantized(self) -> QuantizedWeight | None:
+        return self.weight if isinstance(self.weight, QuantizedWeight) else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors()[0].device
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The weight's (a quantized one's blocks) and the bias's tensors."""
+        weight = self.weight.data if isinstance(self.weight, QuantizedWeight) else self.weight
+        return [weight] if self.bias is None else [weight, self.bias]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return quantized_linear(x, self.weight, self.bias)
         if self.packed is not None:
             small = small_linear(x, self.weight, self.bias)
             return small if small is not None else prepacked(x, self.packed, self.bias)
@@ -106,6 +140,8 @@ class Linear:
         return self.packed is not None or self.wide_packed is not None
 
     def layout(self) -> str:
+        if isinstance(self.weight, QuantizedWeight):
+            return f"quantized-{self.weight.qtype}"
         if self.packed is not None:
             return "prepacked"
         if self.wide is not None:
@@ -187,23 +223,29 @@ def reorder(weight: torch.Tensor) -> torch.Tensor:
 
 
 def plan(linears: Sequence[Linear]) -> str:
-    """Choose each linear's layout for its dtype and device; returns what was chosen."""
+    """Choose each linear's layout for its dtype and device (a quantized one keeps its
+    own); returns what was chosen."""
     if not linears:
         return "none"
-    first = linears[0].weight
+    plain = [linear for linear in linears if linear.quantized is None]
+    first = plain[0].weight if plain else None
+    if not isinstance(first, torch.Tensor):
+        return _layouts(linears)
     if first.device.type != "cpu" or first.dtype != torch.bfloat16:
-        return "F.linear"
+        return "F.linear" if len(plain) == len(linears) else _layouts(linears)
     if _bf16_prepack_supported():
-        for linear in linears:
+        for linear in plain:
+            assert isinstance(linear.weight, torch.Tensor)
             linear.packed = reorder(linear.weight)
             if not _verify(linear):
                 linear.packed = None
         return _layouts(linears)
-    float32_bytes = sum(lin.weight.numel() for lin in linears) * 4
+    float32_bytes = sum(lin.in_features * lin.out_features for lin in plain) * 4
     if float32_bytes > WIDE_COPY_BUDGET:
         return _layouts(linears)
     prepack = 2 * float32_bytes <= WIDE_COPY_BUDGET and _float32_prepack_supported()
-    for linear in linears:
+    for linear in plain:
+        assert isinstance(linear.weight, torch.Tensor)
         linear.wide = linear.weight.float()
         linear.wide_bias = None if linear.bias is None else linear.bias.float()
         if prepack:
@@ -240,12 +282,13 @@ def _verify(linear: Linear) -> bool:
     """Whether `linear`, as it is laid out now, agrees with `F.linear` (on rows that take
     each of its layouts); logs the layout that does not."""
     generator = torch.Generator().manual_seed(0)
-    in_features = linear.weight.shape[1]
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
     for rows in (1, PACKED_WIDE_ROWS, WIDE_ROWS + 3):
-        x = torch.randn(rows, in_features, generator=generator).to(linear.weight.dtype)
-        ref = F.linear(x, linear.weight, linear.bias).float()
+        x = torch.randn(rows, linear.in_features, generator=generator).to(weight.dtype)
+        ref = F.linear(x, weight, linear.bias).float()
         error = ((linear(x).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-        if not error <= TOLERANCE[linear.weight.dtype]:
+        if not error <= TOLERANCE[weight.dtype]:
             log.warning(
                 "a %s linear layer differs from F.linear by %.1e at %d rows; it does not "
                 "use that layout",

@@ -5,7 +5,10 @@ One forward runs a mixed batch (decode tokens and prefill chunks, laid out flat 
 that sample into float32 logits. The norms are plain tensors; q/k/v and gate/up are
 fused into one matrix each so a layer is four matrix multiplies, each a
 `kernels.linear.Linear` in the layout that is fastest on the device; `check_weights`
-validates a checkpoint's tensors against the config before any is copied.
+validates a checkpoint's tensors against the config before any is copied. A linear
+weight may come quantized (`kernels.quantized.QuantizedWeight`, from a GGUF file): it
+stays so, fused with its partners where they share its block type, and dequantized
+where they do not (the embedding table too, which is read a row at a time).
 
 The forward calls a `checkpoint` hook at fixed points. Given the batch (before each
 layer's attention, right after its q/k/v projection; before its MLP; after the last
@@ -34,6 +37,7 @@ from kvscope.kernels import linear
 from kvscope.kernels.attention import AttentionMetadata, paged_attention
 from kvscope.kernels.fused import rms_norm, rope_and_cache, silu_and_mul
 from kvscope.kernels.linear import Linear
+from kvscope.kernels.quantized import QuantizedWeight, concat_rows, dequantize
 
 from .config import ModelConfig
 from .errors import ModelLoadError
@@ -103,7 +107,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> list[str]:
+Weight = torch.Tensor | QuantizedWeight
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, Weight]) -> list[str]:
     """Raise `ModelLoadError` naming missing or misshapen tensors; return the names of
     tensors the decoder does not use."""
     expected = expected_shapes(config)
@@ -126,7 +133,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -142,11 +149,27 @@ class LlamaModel:
         check_weights(config, weights)
 
         def take(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype)
+            weight = weights[name]
+            if isinstance(weight, QuantizedWeight):
+                return dequantize(weight, torch.float32).to(device=device, dtype=dtype)
+            return weight.to(device=device, dtype=dtype)
+
+        def linear_of(*names: str, bias: torch.Tensor | None = None) -> Linear:
+            parts = [weights[name] for name in names]
+            if all(isinstance(part, QuantizedWeight) for part in parts):
+                fused = _stacked([part for part in parts if isinstance(part, QuantizedWeight)])
+                if fused is not None:
+                    on_device = attrs.evolve(fused, data=fused.data.to(device))
+                    return Linear(on_device, bias, activation_dtype=dtype)
+            return Linear(torch.cat([take(name) for name in names]), bias)
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
-        self.lm_head = Linear(self.embed if c.tie_word_embeddings else take("lm_head.weight"))
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        # A tied head shares the embedding's tensor, unless that is quantized: then the
+        # head multiplies the quantized blocks (a quarter to half the bytes a token).
+        tied = c.tie_word_embeddings and not isinstance(weights[head], QuantizedWeight)
+        self.lm_head = Linear(self.embed) if tied else linear_of(head)
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -157,15 +180,13 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
+                    qkv=linear_of(*(attn + f"{n}_proj.weight" for n in "qkv"), bias=bias),
                     q_norm=take(attn + "q_norm.weight") if c.qk_norm else None,
                     k_norm=take(attn + "k_norm.weight") if c.qk_norm else None,
-                    o_proj=Linear(take(attn + "o_proj.weight")),
+                    o_proj=linear_of(attn + "o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-                    ),
-                    down=Linear(take(mlp + "down_proj.weight")),
+                    gate_up=linear_of(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                    down=linear_of(mlp + "down_proj.weight"),
                 )
             )
         #: Which weight layouts the linear layers use (`kernels.linear.plan`).
@@ -285,13 +306,10 @@ class LlamaModel:
             linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
         return linears
 
-    def num_parameters(self) -> int:
-        return sum(t.numel() for t in self._tensors(copies=False))
-
     def weight_bytes(self) -> int:
         """The memory this copy of the model holds: its weights, the linear layers'
         float32 and prepacked copies, and the rotary tables."""
-        return sum(t.numel() * t.element_size() for t in self._tensors(copies=True))
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def release_weights(self) -> None:
         """Free every weight (a model worker process holds its own copy); this copy
@@ -302,15 +320,11 @@ class LlamaModel:
         self.adapters = {}
         self.released = True
 
-    def _tensors(self, *, copies: bool) -> list[torch.Tensor]:
-        """Each weight tensor once; with `copies`, also the layouts `plan` added and
-        the rotary tables."""
-        tensors = [self.embed, self.final_norm]
-        linears: list[Linear] = []
-        if self.lm_head.weight is not self.embed:
-            tensors.append(self.lm_head.weight)
-        elif copies:
-            linears.append(self.lm_head)  # its weight is the embedding; its copies are not
+    def _tensors(self) -> list[torch.Tensor]:
+        """Each tensor this copy holds once: the weights (a quantized one's blocks), the
+        layouts `plan` added, the rotary tables and the adapters."""
+        tensors = [self.embed, self.final_norm, self.cos, self.sin]
+        linears = [self.lm_head]  # (tied, its weight is the embedding: counted once)
         for layer in self.layers:
             for t in attrs.astuple(layer, recurse=False):
                 if isinstance(t, Linear):
@@ -318,17 +332,18 @@ class LlamaModel:
                 elif t is not None:
                     tensors.append(t)
         for lin in linears:
-            tensors.extend(w for w in (lin.weight, lin.bias) if w is not None)
-            if copies:
-                tensors += [
-                    w
-                    for w in (lin.packed, lin.wide, lin.wide_packed, lin.wide_bias)
-                    if w is not None
-                ]
-        if copies:
-            tensors += [self.cos, self.sin]
-            tensors += [t for adapter in self.adapters.values() for t in adapter.tensors()]
+            tensors += lin.tensors()
+            tensors += [
+                w for w in (lin.packed, lin.wide, lin.wide_packed, lin.wide_bias) if w is not None
+            ]
+        tensors += [t for adapter in self.adapters.values() for t in adapter.tensors()]
         return list({id(t): t for t in tensors}.values())
+
+
+def _stacked(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Quantized weights of one block type as one (their rows in turn); None where
+    their types differ."""
+    return concat_rows(parts) if len({part.qtype for part in parts}) == 1 else None
 
 
 def _between(

@@ -81,6 +81,7 @@ from kvscope.kernels.linear import (
     prepacked,
     reorder,
 )
+from kvscope.kernels.quantized import QuantizedWeight, quantized_linear
 
 #: Rows of the second probe call (the first has one).
 PROBE_ROWS = 64
@@ -110,7 +111,7 @@ class Piece(NamedTuple):
     (a view of the plain weight, or a prepacked copy)."""
 
     columns: int
-    weight: torch.Tensor
+    weight: torch.Tensor | QuantizedWeight  # a quantized layer's pieces are row views
     bias: torch.Tensor | None
     packed: bool
 
@@ -121,7 +122,8 @@ class LinearSlicer:
     def __init__(self, target: float, *, min_columns: int = MIN_COLUMNS) -> None:
         self.target = target
         self.min_columns = min_columns
-        self._costs: dict[tuple[int, ...], tuple[float, float]] = {}  # shape -> (a, b)
+        #: (shape, layout, input dtype's size, bias) -> (a, b)
+        self._costs: dict[tuple[object, ...], tuple[float, float]] = {}
         #: (id of the layer, pieces, which cut: "plain", "wide" or "paired") -> pieces
         self._pieces: dict[tuple[int, int, str], list[Piece]] = {}
         self._keep: dict[int, Linear] = {}  # keeps the ids above meaningful
@@ -139,7 +141,7 @@ class LinearSlicer:
         follow the rows' bucket (`bucket_rows`), so a step cuts its layers as the
         warm-up step of its bucket did, whose multiplies built the same kernels."""
         whole = [RowRange(slice(0, rows), bucket_rows(rows))]
-        if linear.weight.device.type != "cpu":
+        if linear.device.type != "cpu":
             return 1, whole
         a, b = self.cost(linear)
         padded = bucket_rows(rows)
@@ -163,8 +165,14 @@ class LinearSlicer:
         self._key_seconds[path] = rate if last is None else last + ATTENTION_FOLLOW * (rate - last)
 
     def cost(self, linear: Linear) -> tuple[float, float]:
-        """(a, b) of `linear`'s shape, measured on first use."""
-        shape = (*linear.weight.shape, linear.weight.dtype.itemsize, linear.bias is not None)
+        """(a, b) of `linear`'s shape and layout, measured on first use."""
+        shape = (
+            linear.out_features,
+            linear.in_features,
+            linear.layout(),
+            linear.activation_dtype.itemsize,
+            linear.bias is not None,
+        )
         if shape not in self._costs:
             self._costs[shape] = _probe(linear)
         return self._costs[shape]
@@ -239,9 +247,9 @@ class LinearSlicer:
             weight, bias = (linear.wide, linear.wide_bias) if wide else (linear.weight, linear.bias)
             assert weight is not None
             packed = linear.wide_packed if wide else linear.packed
-            pack = packed is not None and self._reserve(weight)
+            pack = packed is not None and isinstance(weight, torch.Tensor) and self._reserve(weight)
             self._pieces[key] = [
-                _piece(weight[lo:hi], None if bias is None else bias[lo:hi], pack)
+                _piece(_row_range(weight, lo, hi), None if bias is None else bias[lo:hi], pack)
                 for lo, hi in column_ranges(weight.shape[0], pieces)
             ]
         return self._pieces[key]
@@ -257,7 +265,7 @@ class LinearSlicer:
                 (gate_up.wide, gate_up.wide_bias) if wide else (gate_up.weight, gate_up.bias)
             )
             packed = gate_up.wide_packed if wide else gate_up.packed
-            if weight is None or packed is None or not self._reserve(weight):
+            if not isinstance(weight, torch.Tensor) or packed is None or not self._reserve(weight):
                 return None
             self._keep[id(gate_up)] = gate_up
             half = weight.shape[0] // 2
@@ -341,13 +349,23 @@ def column_ranges(size: int, pieces: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:], strict=False))
 
 
-def _piece(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Piece:
+def _row_range(
+    weight: torch.Tensor | QuantizedWeight, lo: int, hi: int
+) -> torch.Tensor | QuantizedWeight:
+    """Rows `lo:hi` of a weight (its output columns), a view whatever its type."""
+    return weight.rows(lo, hi) if isinstance(weight, QuantizedWeight) else weight[lo:hi]
+
+
+def _piece(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, pack: bool) -> Piece:
     if pack:
+        assert isinstance(weight, torch.Tensor)
         return Piece(weight.shape[0], reorder(weight.contiguous()), bias, True)
     return Piece(weight.shape[0], weight, bias, False)
 
 
 def _multiply(piece: Piece, x: torch.Tensor, at: int | None = None) -> torch.Tensor:
+    if isinstance(piece.weight, QuantizedWeight):
+        return quantized_linear(x, piece.weight, piece.bias)
     if piece.packed:
         return prepacked(x, piece.weight, piece.bias, at)
     return F.linear(x, piece.weight, piece.bias)
@@ -355,7 +373,7 @@ def _multiply(piece: Piece, x: torch.Tensor, at: int | None = None) -> torch.Ten
 
 def _probe(linear: Linear) -> tuple[float, float]:
     def quickest(rows: int) -> float:
-        x = torch.randn(rows, linear.weight.shape[1]).to(linear.weight.dtype)
+        x = torch.randn(rows, linear.in_features).to(linear.activation_dtype)
         linear(x)  # warm-up: first-call allocations and kernel selection
         best = math.inf
         for _ in range(5):

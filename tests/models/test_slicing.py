@@ -162,3 +162,36 @@ def test_row_ranges_run_at_the_buckets_of_their_rows_bucket(rows, parts) -> None
         assert mine.rows.start == its.rows.start and mine.at == its.at
         assert its.at == its.rows.stop - its.rows.start == bucket_rows(its.at)
         assert 0 < mine.rows.stop - mine.rows.start <= mine.at
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K"])
+def test_a_quantized_layer_in_pieces_gives_its_whole_result(qtype: str) -> None:
+    """A weight kept in GGML blocks is cut into row views of its blocks (no copy, no
+    dequantized float copy), each multiplied as the whole layer multiplies: the same
+    result to the bit, with a checkpoint between two pieces; the gated MLP too."""
+    from kvscope.kernels.ggml_quants import random_blocks
+    from kvscope.kernels.quantized import QuantizedWeight
+
+    generator = torch.Generator().manual_seed(3)
+
+    def quantized(rows: int, columns: int) -> Linear:
+        data = random_blocks(qtype, rows, columns, generator)
+        return Linear(
+            QuantizedWeight(qtype, (rows, columns), data), activation_dtype=torch.bfloat16
+        )
+
+    layer, down = quantized(1024, 256), quantized(256, 512)
+    linear_layouts.plan([layer, down])
+    assert layer.layout() == f"quantized-{qtype}" and layer.wide is None and layer.packed is None
+    slicer = LinearSlicer(target=1e-12)
+    x = torch.randn(8, 256, generator=generator).to(torch.bfloat16)
+    assert slicer.cut(layer, 8)[0] == 1024 // 256
+    calls: list[None] = []
+    with torch.inference_mode():
+        out = slicer(layer, x, lambda: calls.append(None))
+        whole = layer(x)
+        mlp = slicer.gated_mlp(layer, down, x, x, lambda: calls.append(None))
+        mlp_whole = x + down(silu_and_mul(layer(x)))
+    assert len(calls) >= 2 * (1024 // 256) - 1
+    assert torch.equal(out, whole)
+    assert torch.equal(mlp, mlp_whole)
