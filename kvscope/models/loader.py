@@ -1,7 +1,8 @@
 """Loading a model by name: `tiny-random`, `bundled`, or a Hugging Face checkpoint dir.
 
 `load_model` returns a `LoadedModel`: the decoder, its tokenizer, its config and the
-generation defaults. A checkpoint directory holds `config.json`, `model.safetensors`
+generation defaults. A GGUF file (or a directory holding one and no `config.json`) is
+read by `models/gguf.py`. A checkpoint directory holds `config.json`, `model.safetensors`
 (or shards named by `model.safetensors.index.json`), `tokenizer.json`,
 `tokenizer_config.json` and optionally `generation_config.json`. An unknown
 architecture or a broken checkpoint (a missing or unreadable file, a missing tensor, a
@@ -34,9 +35,11 @@ from .chat import (
 )
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .gguf import gguf_path, read_gguf
 from .llama import LlamaModel, check_weights
 from .lora import read_adapters
 from .rope import SUPPORTED_ROPE_TYPES, rope_type
+from .sentence_pooling import sentence_transformers_pooling
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -145,11 +148,30 @@ def _load_base(
             raise ModelLoadError(f"the bundled model is missing from {BUNDLED_DIR}")
         return load_checkpoint(BUNDLED_DIR, device=device, dtype=dtype, name="bundled")
     path = Path(name)
+    if (gguf_file := gguf_path(path)) is not None:
+        return load_gguf(gguf_file, device=device, dtype=dtype)
     if not path.is_dir():
         raise ModelLoadError(
-            f"model {name!r} is neither 'bundled', 'tiny-random' nor a checkpoint directory"
+            f"model {name!r} is neither 'bundled', 'tiny-random' nor a checkpoint directory "
+            "or GGUF file"
         )
     return load_checkpoint(path, device=device, dtype=dtype)
+
+
+def load_gguf(path: Path, *, device: torch.device, dtype: str | torch.dtype) -> LoadedModel:
+    """A GGUF file (`models/gguf.py`), every tensor dequantized at load."""
+    gguf = read_gguf(path)
+    config = model_config_from_hf(gguf.hf_config, {})
+    torch_dtype = resolve_dtype(dtype, gguf.dtype)
+    log.info("loading %s (%s) as %s", path, config.architecture, torch_dtype)
+    model = LlamaModel(config, gguf.weights(), dtype=torch_dtype, device=device)
+    return LoadedModel(
+        name=path.name,
+        model=model,
+        tokenizer=gguf.tokenizer,
+        config=config,
+        chat_template=gguf.chat_template,
+    )
 
 
 def served_as(
@@ -477,40 +499,6 @@ def load_checkpoint(
         generates=generates,
         embeddings_differ=differ,
     )
-
-
-#: The sentence-transformers modules kvscope's embeddings agree with: the model, last-
-#: token pooling, normalization.
-AGREEING_MODULES = ("Transformer", "Pooling", "Normalize")
-
-
-def sentence_transformers_pooling(directory: Path) -> str | None:
-    """Why the embeddings the checkpoint's sentence-transformers modules (`modules.json`)
-    describe are not the last token's hidden state, normalized; None if they are, or if
-    it has no such modules."""
-    path = directory / "modules.json"
-    if not path.is_file():
-        return None
-    try:
-        modules = json.loads(path.read_text())
-        kinds = [str(module["type"]).rsplit(".", 1)[-1] for module in modules]
-        other = [kind for kind in kinds if kind not in AGREEING_MODULES]
-        if other:
-            return f"its sentence-transformers modules include {other[0]}"
-        pooling = next((m for m in modules if str(m["type"]).endswith(".Pooling")), None)
-        if pooling is None:
-            return None
-        config = json.loads((directory / pooling["path"] / "config.json").read_text())
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"its sentence-transformers modules cannot be read ({exc!r})"
-    modes = sorted(
-        k.removeprefix("pooling_mode_")
-        for k, v in config.items()
-        if k.startswith("pooling_mode_") and v
-    )
-    if modes != ["lasttoken"]:
-        return f"it pools by {' and '.join(modes) or 'nothing'} (its {pooling['path']}/config.json)"
-    return None
 
 
 def decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

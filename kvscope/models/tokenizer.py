@@ -3,7 +3,8 @@
 * `ByteTokenizer`: UTF-8 bytes as token ids 0..255 plus BOS and EOS; the tokenizer of
   the built-in `tiny-random` model.
 * `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` library, with
-  the special tokens of `tokenizer_config.json`.
+  the special tokens of `tokenizer_config.json`; or a `tokenizers.Tokenizer` built from
+  another format's vocabulary (`models/gguf_tokenizer.py`) with the same config.
 * `IncrementalDecoder`: turns a growing token list into text deltas, holding back a
   token that ends inside a multi-byte character (as vLLM's detokenizer does).
 """
@@ -42,7 +43,9 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face fast tokenizer directory (`tokenizer.json` + its config)."""
+    """A Hugging Face fast tokenizer: a `tokenizer.json` directory (with its
+    `tokenizer_config.json`), or a `tokenizers.Tokenizer` built elsewhere with the
+    config that names its special tokens (`from_tokenizer`, as GGUF files give one)."""
 
     def __init__(self, directory: str | Path, *, eos_token_ids: tuple[int, ...] = ()) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -51,11 +54,25 @@ class HFTokenizer:
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{directory} has no tokenizer.json")
-        self._tok = _Tokenizer.from_file(str(path))
         config_path = directory / "tokenizer_config.json"
-        self.config: dict[str, Any] = (
-            json.loads(config_path.read_text()) if config_path.is_file() else {}
-        )
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self._adopt(_Tokenizer.from_file(str(path)), config, eos_token_ids)
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Any, config: dict[str, Any], *, eos_token_ids: tuple[int, ...] = ()
+    ) -> HFTokenizer:
+        """`tokenizer` (a `tokenizers.Tokenizer`) with `config` in the place of a
+        `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`, ...)."""
+        self = cls.__new__(cls)
+        self._adopt(tokenizer, config, eos_token_ids)
+        return self
+
+    def _adopt(
+        self, tokenizer: Any, config: dict[str, Any], eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self._tok = tokenizer
+        self.config: dict[str, Any] = config
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
