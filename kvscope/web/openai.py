@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from quart import Blueprint, request
 from quart_schema import document_request
 
@@ -43,17 +43,19 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def _model_card(ctx: ServerContext, model_id: str) -> dict[str, Any]:
-    """The model's card, or a LoRA adapter's: its `parent` the model, its `root` its
-    directory (vLLM's)."""
+    """The model's card, its `root` the model as `kvscope serve` was given it (vLLM's:
+    its path, whatever name it is served as); or a LoRA adapter's: its `parent` the
+    model, its `root` its directory (vLLM's)."""
     engine = ctx.engine
     adapter = adapter_of(engine, model_id)
+    model_root = ctx.settings.model_path or engine.model_name
     return {
         "id": model_id,
         "object": "model",
         "created": ctx.started,
         "owned_by": "kvscope",
         "max_model_len": engine.max_model_len,
-        "root": engine.adapters[adapter] if adapter else engine.model_name,
+        "root": engine.adapters[adapter] if adapter else model_root,
         "parent": engine.model_name if adapter else None,
     }
 
@@ -144,9 +146,26 @@ async def read_openai_body(model: type[M]) -> M:
         unknown = sorted(set(data) - set(model.model_fields))
         if unknown:
             raise ApiError(400, f"{unknown[0]} is not supported by this server", param=unknown[0])
-    body = validate(model, data)
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_body(exc) from None
+    except RecursionError:
+        body = validate(model, data)  # its 400 for a body nested too deeply
     check_model(server().engine, getattr(body, "model", None))
     return body
+
+
+def invalid_body(exc: ValidationError) -> ApiError:
+    """The 400 of a body its model refuses, in vLLM's words: how many errors, each of
+    pydantic's (its `type`, such as `greater_than_equal`, its `loc` under `body`, `msg`,
+    `input`, `ctx`), then their list; `param` the first one's field."""
+    found = exc.errors(include_url=False)
+    errors = [{**error, "loc": ("body", *error["loc"])} for error in found]
+    count = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}:"
+    listed = "".join(f"\n  {error}" for error in errors)
+    where = ".".join(str(part) for part in found[0]["loc"]) if found else ""
+    return ApiError(400, f"{count}{listed} {errors}", param=where or None)
 
 
 async def _read(model: type[B]) -> B:

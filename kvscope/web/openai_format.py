@@ -7,6 +7,11 @@ for each token (a text delta without log-probabilities) is the per-token path, s
 pre-built as a JSON template around the one string that changes, and `text_chunk` gives
 the same bytes as `sse.encode(chunk(index, text, None))` at a fraction of the
 cost (tests/web/test_sse_body.py holds the two together).
+
+The shapes are vLLM's where OpenAI allows several (README, "vLLM conformance"): a
+completions token's `top_logprobs` holds the token itself and the top k (one entry
+for `logprobs: 0`); an echoed token-id prompt shows its special tokens; usage counts
+the cached prompt tokens only under `--enable-prompt-tokens-details`.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ from kvscope import Completion, Engine
 from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.models.tokenizer import Tokenizer
 
-from .openai_schemas import OpenAISampling
+from .openai_prompts import batch
+from .openai_schemas import CompletionBody, OpenAISampling
 from .sse import dumps, frame
+
+#: OpenAI keys that vLLM's whole answers (not its chunks) carry as null.
+WHOLE_ANSWER_NULLS: dict[str, None] = {"service_tier": None, "system_fingerprint": None}
 
 
 def usage(
@@ -38,6 +47,16 @@ def usage(
     return counts
 
 
+def usage_of(results: Sequence[Completion], n: int, *, details: bool) -> dict[str, Any]:
+    """The usage of a call's ended samples (`n` a prompt, in choice order): each prompt
+    counted once (its sample 0's), every sample's completion; with `details` (vLLM's
+    `--enable-prompt-tokens-details`), the prompt tokens the prefix cache held."""
+    firsts = results[::n]
+    cached = sum(r.cached_tokens for r in firsts) if details else None
+    completion = sum(r.completion_tokens for r in results)
+    return usage(sum(r.prompt_tokens for r in firsts), completion, cached)
+
+
 class Choices:
     """How a choice's text and log-probabilities are shown, in OpenAI's formats."""
 
@@ -49,16 +68,34 @@ class Choices:
         self.n = body.n
         self.prompts = prompts  # choice i is prompts[i // n]'s
         echo = getattr(body, "echo", False)
+        #: Per prompt, whether it came as token ids: its echo and the echo's offsets
+        #: show its special tokens' text, as vLLM's do.
+        self.given_as_ids = [False] * len(prompts)
         #: What each prompt's answers begin with: the prompt (completions), or the last
         #: message when it is the assistant's own (chat, vLLM's `echo`).
         self.echo: list[str] | None = None
-        if echo and not chat:
-            self.echo = [engine.tokenizer.decode(ids) for ids in prompts]
+        if echo and isinstance(body, CompletionBody):
+            self.echo = self._echoes(body, prompts)
         elif (echoed := getattr(body, "echoed", None)) is not None:
             self.echo = [echoed]
-        self.wanted = body.logprobs_wanted is not None
+        self.top_k = body.logprobs_wanted
+        self.wanted = self.top_k is not None
         #: The echoed prompts' log-probabilities come before the completions'.
         self.scores_echo = echo and self.wanted and not chat
+
+    def _echoes(self, body: CompletionBody, prompts: list[list[int]]) -> list[str]:
+        """Each prompt as `echo` shows it (vLLM's): a text prompt as it was sent (or, cut
+        by `truncate_prompt_tokens`, its tokens' text), token ids as their text, special
+        tokens included."""
+        echoes = []
+        for index, (given, ids) in enumerate(zip(batch(body.prompt), prompts, strict=True)):
+            self.given_as_ids[index] = not isinstance(given, str)
+            if isinstance(given, str) and body.truncate_prompt_tokens is None:
+                echoes.append(given)
+            else:
+                keep = self.given_as_ids[index]
+                echoes.append(self.engine.tokenizer.decode(ids, skip_special_tokens=not keep))
+        return echoes
 
     def prefix(self, index: int) -> str:
         """The echoed prompt of choice `index` (completions with `echo`)."""
@@ -103,16 +140,24 @@ class Choices:
     ) -> dict[str, Any] | None:
         """The completions-format log-probabilities of choice `index`'s echoed prompt
         (the first token's null: nothing predicts it). Offsets index the echoed text,
-        where a special token (a BOS) shows no text."""
+        where a special token (a BOS) of a text prompt shows no text."""
         if not self.scores_echo or logprobs is None:
             return None
-        ids = self.prompts[index // self.n]
+        prompt = index // self.n
+        ids = self.prompts[prompt]
         tokens = [self.token_text(t) for t in ids]
+        if self.given_as_ids[prompt]:
+            lengths = list(map(len, tokens))
+        else:
+            lengths = [len(self.engine.tokenizer.decode([t])) for t in ids]
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob if lp is not None else None for lp in logprobs],
-            "top_logprobs": [self._top(lp) if lp is not None else None for lp in logprobs],
-            "text_offset": _offsets([len(self.engine.tokenizer.decode([t])) for t in ids], 0),
+            "top_logprobs": [
+                self._top(t, lp) if lp is not None else None
+                for t, lp in zip(ids, logprobs, strict=True)
+            ],
+            "text_offset": _offsets(lengths, 0),
         }
 
     def token_text(self, token: int) -> str:
@@ -134,18 +179,20 @@ class Choices:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [self._top(lp) for lp in logprobs],
+            "top_logprobs": [self._top(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)],
             "text_offset": _offsets(list(map(len, tokens)), offset or len(self.prefix(index))),
         }
 
-    def _top(self, logprobs: TokenLogprobs) -> dict[str, float]:
-        """Completions' `{token text: logprob}`; two tokens that decode alike (parts of
-        one character) would collide, so the later one is keyed `token_id:N` (vLLM's
-        spelling of a token by id)."""
+    def _top(self, token: int, logprobs: TokenLogprobs) -> dict[str, float]:
+        """Completions' `{token text: logprob}` of `token` itself and the k most likely
+        others (OpenAI's and vLLM's: so `logprobs: 0` gives the token alone). Two tokens
+        that decode alike (parts of one character) would collide, so the later one is
+        keyed `token_id:N` (vLLM's spelling of a token by id)."""
+        others = [(t, v) for t, v in logprobs.top if t != token][: self.top_k or 0]
         top: dict[str, float] = {}
-        for token, value in logprobs.top:
-            text = self.token_text(token)
-            top[text if text not in top else f"token_id:{token}"] = value
+        for candidate, value in [(token, logprobs.logprob), *others]:
+            text = self.token_text(candidate)
+            top[text if text not in top else f"token_id:{candidate}"] = value
         return top
 
 
@@ -228,8 +275,5 @@ class ChunkFormat:
             f"{self._open}{index}{self._middle}{encode_basestring_ascii(text)}{self._close}"
         )
 
-    def usage_chunk(
-        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
-    ) -> dict[str, Any]:
-        counts = usage(prompt_tokens, completion_tokens, cached_tokens)
+    def usage_chunk(self, counts: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": counts}

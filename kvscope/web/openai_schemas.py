@@ -280,7 +280,9 @@ class OpenAISampling(BaseModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Each chunk's usage (vLLM's rule: only with `include_usage` too)."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
 
 class CompletionBody(OpenAISampling):

@@ -140,7 +140,6 @@ ALWAYS = {
     "--trust-remote-code": "kvscope runs its own model classes, never a checkpoint's code",
     "--enforce-eager": "the forward always runs eagerly",
     "--enable-chunked-prefill": "long prompts are always computed in chunks beside decodes",
-    "--enable-prompt-tokens-details": "usage always counts the prompt tokens found cached",
     "--enable-lora": "the adapters --lora-modules names are served",
 }
 
@@ -183,6 +182,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="a log line for each request's start and end (kvscope's default)",
     )
     parser.set_defaults(log_requests=True)
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage counts the prompt tokens the prefix cache held "
+        "(prompt_tokens_details.cached_tokens)",
+    )
     for flag, why in ALWAYS.items():
         group.add_argument(flag, action="store_true", help=f"accepted: {why}")
     for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
@@ -252,6 +257,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         ),
         stats_log_interval=0.0 if args.disable_log_stats else STATS_LOG_INTERVAL,
         runtime_lora_updating=os.environ.get(lora_admin.SWITCH, "").lower() in lora_admin.SWITCH_ON,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        model_path=args.model,
     )
 
 

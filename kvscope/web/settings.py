@@ -98,3 +98,9 @@ class ServerSettings:
     runtime_lora_updating: bool = attrs.field(default=False, validator=v.instance_of(bool))
     #: Retry-After seconds sent with a 429.
     retry_after: int = attrs.field(default=1, validator=v.ge(0))
+    #: vLLM's `--enable-prompt-tokens-details`: usage counts the prompt tokens the prefix
+    #: cache held (`prompt_tokens_details.cached_tokens`); off unless asked, as vLLM's.
+    prompt_tokens_details: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    #: The model as `kvscope serve` was given it (a checkpoint's path): the model card's
+    #: `root`, as vLLM's; None: the name it is served as.
+    model_path: str | None = None

@@ -349,10 +349,23 @@ def test_bad_words_stay_out_of_the_output(live: Live, client: openai.OpenAI) -> 
     wait_clean(live)
 
 
-def test_usage_says_how_much_of_the_prompt_was_cached(live: Live, client: openai.OpenAI) -> None:
-    """`prompt_tokens_details.cached_tokens`: none the first time, the full blocks the
-    prefix cache holds the second (whole and in a stream's usage chunk); a batch counts
-    each prompt once."""
+@pytest.fixture
+def detailed(backend: str, tmp_path: Path) -> Iterator[tuple[Live, openai.OpenAI]]:
+    """A server run with vLLM's `--enable-prompt-tokens-details`, and its client."""
+    with (
+        running_server(backend, tmp_path, prompt_tokens_details=True) as live,
+        openai.OpenAI(base_url=live.url + "/v1", api_key="-", max_retries=0) as client,
+    ):
+        yield live, client
+
+
+def test_usage_says_how_much_of_the_prompt_was_cached(
+    detailed: tuple[Live, openai.OpenAI],
+) -> None:
+    """With `--enable-prompt-tokens-details`, `prompt_tokens_details.cached_tokens`:
+    none the first time, the full blocks the prefix cache holds the second (whole and
+    in a stream's usage chunk); a batch counts each prompt once."""
+    live, client = detailed
     prompt = "A prompt long enough to fill a few KV blocks of sixteen tokens each."
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
