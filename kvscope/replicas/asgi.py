@@ -23,8 +23,9 @@ What it adds in front of the Quart app, knowing it is one of several replicas:
   (`peers.forward`; on a WebSocket, `wschildren`), so children start inside their
   parent's scope there; so is a response whose `previous_response_id` another
   replica stores (responses are stored where they ran);
-* the kvscope id is repeated in `X-Kvscope-Request-Id`, because Ray Serve's proxy
-  appends its own value to `X-Request-Id`;
+* the kvscope id is repeated in `X-Kvscope-Request-Id` (Ray Serve's proxy appends
+  its own value to `X-Request-Id`, which kvscope's proxy middleware then drops: see
+  `proxy`);
 * Serve's cancellation of a call becomes the disconnect message Quart expects
   (`_call_app`). This module is asyncio-only, as Ray Serve is.
 """
@@ -393,7 +394,8 @@ class ReplicaApp:
 
     def _tagged(self, send: Send) -> Send:
         """Responses say which replica answered (`X-Kvscope-Replica`) and repeat the
-        kvscope id in `X-Kvscope-Request-Id` (Serve's proxy appends to `X-Request-Id`)."""
+        kvscope id in `X-Kvscope-Request-Id` (as it was before `X-Request-Id` carried
+        it alone through Serve's proxy)."""
 
         async def send_tagged(message: Message) -> None:
             if message["type"] == "http.response.start":

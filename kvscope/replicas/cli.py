@@ -1,7 +1,11 @@
 """`kvscope serve --replicas N`: start a local Ray (or join one), run the Serve app,
 print where it listens, and on SIGINT/SIGTERM stop Serve (each replica drains like the
-single server) and Ray. SIGHUP redeploys: Serve replaces the replicas one by one, each
+single server: every stream ends with its last event) and Ray, and exit 0; a second
+signal skips the drain. SIGHUP redeploys: Serve replaces the replicas one by one, each
 old one draining its streams while new requests go to the others.
+
+`ray.init` installs Ray's own SIGTERM handler (exit at once, with Ray's processes
+killed under the streams), so kvscope's handlers are installed again after it.
 
 With `--ray-address` it joins a running cluster (`auto`, or `ray://host:10001`)
 instead of starting Ray here; with no address Ray is started with `--ray-cpus` logical
@@ -50,11 +54,12 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
     # Serve's proxy reads this when it starts (in a process that inherits it from
     # the local Ray started below; on a cluster, set it on every node's Ray).
     os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
-    if args.ray_address:
-        ray.init(address=args.ray_address, include_dashboard=False)
-    else:
-        ray.init(num_cpus=args.ray_cpus, include_dashboard=False)
     try:
+        if args.ray_address:
+            ray.init(address=args.ray_address, include_dashboard=False)
+        else:
+            ray.init(num_cpus=args.ray_cpus, include_dashboard=False)
+        signals.install()  # again: ray.init took SIGTERM
         serve.start(
             http_options={
                 "host": settings.host,
@@ -72,39 +77,63 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
             prefix_routing=args.prefix_routing,
             direct_host=settings.host,
         )
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        print(
+        banner = (
             f"kvscope serving {engine_kwargs['model']} on http://{host}:{port} "
-            f"({args.replicas} replicas on Ray Serve)",
-            flush=True,
+            f"({args.replicas} replicas on Ray Serve)"
         )
-        while signals.wait() == "roll":
-            # Each `serve.run` from Python is a new version: Serve replaces the
-            # replicas one by one, each old one draining (see `stopping`).
-            print("kvscope: rolling the replicas (SIGHUP)", flush=True)
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-            print("kvscope: the new replicas are serving", flush=True)
-        print("kvscope: stopping the replicas", flush=True)
-        serve.delete(APP_NAME)
-        serve.shutdown()
+        _serve_until_stopped(app, banner, signals)
+    except _StopNow:
+        print("kvscope: stopping now, without draining (a second signal)", flush=True)
     finally:
         ray.shutdown()
     return 0
 
 
+def _serve_until_stopped(app: Any, banner: str, signals: _Signals) -> None:
+    """Run `app` on Serve, roll it on SIGHUP, and stop it (draining) on SIGINT/SIGTERM."""
+    from ray import serve
+
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    print(banner, flush=True)
+    while signals.wait() == "roll":
+        # Each `serve.run` from Python is a new version: Serve replaces the
+        # replicas one by one, each old one draining (see `stopping`).
+        print("kvscope: rolling the replicas (SIGHUP)", flush=True)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        print("kvscope: the new replicas are serving", flush=True)
+    print("kvscope: stopping the replicas", flush=True)
+    # Serve stops each replica gracefully: it drains (see `stopping`) while the
+    # proxy still carries its streams' last events; then the proxy goes.
+    serve.delete(APP_NAME)
+    serve.shutdown()
+
+
+class _StopNow(Exception):
+    """A second SIGINT/SIGTERM: stop Ray without waiting for the drain."""
+
+
 class _Signals:
-    """SIGINT/SIGTERM stop; SIGHUP rolls the replicas (`wait` says which came)."""
+    """SIGINT/SIGTERM stop (a second one raises `_StopNow`, in the main thread); SIGHUP
+    rolls the replicas (`wait` says which came)."""
 
     def __init__(self) -> None:
         self._stop = False
+        self._stopping_now = False  # `_StopNow` raised (once: not out of the cleanup)
         self._rolls = 0
         self._wake = threading.Event()
+        self.install()
+
+    def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_roll)
 
-    def _on_stop(self, *_: Any) -> None:
+    def _on_stop(self, signum: int, _: Any) -> None:
+        if self._stop and not self._stopping_now:
+            print(f"kvscope: {signal.Signals(signum).name} again", flush=True)
+            self._stopping_now = True
+            raise _StopNow
         self._stop = True
         self._wake.set()
 

@@ -29,6 +29,7 @@ from .asgi import ReplicaApp
 from .direct import DirectHosts, Directory
 from .ids import REPLICA_HEADER, id_prefix
 from .messages import FORWARDED_HEADER, Message
+from .proxy import one_request_id
 from .router import OwnerRouter
 
 log = logging.getLogger("kvscope.replicas")
@@ -107,16 +108,11 @@ class ProxyPeers:
                 )
             except httpx.ConnectError as exc:
                 raise ConnectionError(f"replica {replica} at {via or self._url}: {exc}") from exc
-            first_id = True
-            kept = []
-            for name, value in response.headers.raw:
-                if name.lower() in _HOP_BY_HOP:
-                    continue
-                if name.lower() == b"x-request-id":  # the owner's first; drop Serve's
-                    if not first_id:
-                        continue
-                    first_id = False
-                kept.append((name, value))
+            kept = one_request_id(
+                (name, value)
+                for name, value in response.headers.raw
+                if name.lower() not in _HOP_BY_HOP
+            )
             yield {"type": "http.response.start", "status": response.status_code, "headers": kept}
             async for chunk in response.aiter_raw():
                 yield {"type": "http.response.body", "body": chunk, "more_body": True}

@@ -1,5 +1,13 @@
-"""In Ray Serve's HTTP proxy: an SSE stream cut mid-way ends with an error event (and,
-from prefix.py, a generation call gets its prompt's prefix key).
+"""In Ray Serve's HTTP proxy: a response's `X-Request-Id` is kvscope's id alone, an SSE
+stream cut mid-way ends with an error event (and, from prefix.py, a generation call
+gets its prompt's prefix key).
+
+Serve's proxy appends its own request id to every response's `X-Request-Id` (its
+`RequestIdMiddleware`, innermost, under the callback's middlewares); after the
+replica's own, a client read `req-..., <Serve's id>`, which `GET /requests/{id}`
+cannot find. `RequestIdMiddleware` here keeps the first value, the replica's (kvscope's
+id), and drops Serve's; a response with no kvscope id keeps Serve's. Serve's id can
+not be set to kvscope's instead: the replica generates that id after routing.
 
 When the replica serving a stream dies (or Serve's request timeout passes), the
 proxy stops sending and the client's connection is cut without a last event.
@@ -29,10 +37,43 @@ def proxy_middlewares() -> list[Any]:
 
     from .prefix import PrefixKeyMiddleware
 
-    return [Middleware(StreamEndMiddleware), Middleware(PrefixKeyMiddleware)]
+    return [
+        Middleware(StreamEndMiddleware),
+        Middleware(PrefixKeyMiddleware),
+        Middleware(RequestIdMiddleware),
+    ]
 
 
 Message = dict[str, Any]
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Message, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_one_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": one_request_id(message.get("headers", []))}
+            await send(message)
+
+        await self.app(scope, receive, send_one_id)
+
+
+def one_request_id(headers: Any) -> list[tuple[bytes, bytes]]:
+    """`headers` with only the first `X-Request-Id` (the replica's, before Serve's)."""
+    kept, seen = [], False
+    for name, value in headers:
+        if name.lower() == b"x-request-id":
+            if seen:
+                continue
+            seen = True
+        kept.append((name, value))
+    return kept
 
 
 class StreamEndMiddleware:

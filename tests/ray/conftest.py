@@ -176,8 +176,9 @@ def lora_adapter(directory: Path, model: Path) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    """Start `kvscope serve --replicas 2` in a session of its own (its process group:
+    Ray's processes with it) and wait until both replicas serve."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("ray") / "serve.log"
     model = long_context_model(tmp_path_factory.mktemp("long-context-model"))
@@ -200,20 +201,34 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         )
     running = Cluster(process, f"http://127.0.0.1:{port}", log_path, model, adapter)
     try:
-        try:
-            running.wait_replicas()
-        except AssertionError:
-            raise AssertionError(
-                f"cluster did not start:\n{log_path.read_text()[-3000:]}"
-            ) from None
+        running.wait_replicas()
+    except BaseException as exc:
+        stop(running)
+        if isinstance(exc, AssertionError):
+            log_tail = log_path.read_text()[-3000:]
+            raise AssertionError(f"cluster did not start:\n{log_tail}") from None
+        raise
+    return running
+
+
+def stop(cluster: Cluster, signum: int = signal.SIGINT) -> None:
+    """Stop `kvscope serve` with `signum` (it drains); kill its process group if it hangs."""
+    if cluster.process.poll() is None:
+        cluster.process.send_signal(signum)
+    try:
+        cluster.process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(cluster.process.pid, signal.SIGKILL)
+        cluster.process.wait()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    running = launch(tmp_path_factory)
+    try:
         yield running
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop(running)
 
 
 @pytest.fixture

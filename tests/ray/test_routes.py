@@ -12,8 +12,12 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install
 
 from kvscope import Engine  # noqa: E402
 from kvscope.replicas.ids import owner_of  # noqa: E402
+from kvscope.web.response_ids import response_id  # noqa: E402
 
 from .conftest import LONG, Cluster, wait_for  # noqa: E402
+
+#: A request's statuses before it ends.
+LIVE = ("queued", "running")
 
 
 def test_routes_answer_as_on_the_single_server(live: Cluster) -> None:
@@ -72,6 +76,52 @@ def test_ids_name_their_replica_and_every_call_reaches_it(live: Cluster) -> None
             assert again.status_code == 409 and again.json()["error"]["status"] == "cancelled"
             info = client.get(f"/requests/{request_id}").json()
             assert info["status"] == "cancelled" and info["cancel_reason"] == "user"
+
+
+def test_the_x_request_id_a_client_reads_finds_and_cancels_its_request(live: Cluster) -> None:
+    """Serve's proxy appends its own id to `X-Request-Id`; the client reads kvscope's id
+    alone, and GET and DELETE by it reach the request, streamed or not (a finished one
+    is found, and its DELETE says it has ended)."""
+    streamed = {"prompt": "Tell me", "stream": True, "max_tokens": 3000, "ignore_eos": True}
+    background = {"input": "A story", "background": True, "max_output_tokens": 3000}
+    with live.client() as client:
+        with client.stream("POST", "/v1/completions", json=streamed) as stream:
+            request_id = _the_request_id(stream.headers, live)
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            _found(client, request_id, LIVE)
+            report = client.delete(f"/requests/{request_id}")
+            assert report.status_code == 200 and report.json()["found"], report.text
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "cancelled"
+        started = client.post("/v1/responses", json={**background, "ignore_eos": True})
+        assert started.status_code == 200, started.text
+        request_id = _the_request_id(started.headers, live)
+        assert started.json()["id"] == response_id(request_id)
+        _found(client, request_id, LIVE)
+        report = client.delete(f"/requests/{request_id}")
+        assert report.status_code == 200 and report.json()["found"], report.text
+        done = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert done.status_code == 200, done.text
+        request_id = _the_request_id(done.headers, live)
+        _found(client, request_id, ("finished",))
+        again = client.delete(f"/requests/{request_id}")
+        assert again.status_code == 409 and again.json()["error"]["status"] == "finished"
+
+
+def _the_request_id(headers: httpx.Headers, live: Cluster) -> str:
+    """The one `X-Request-Id` of a response: an id of a running replica's."""
+    (request_id,) = headers.get_list("x-request-id")
+    assert owner_of(request_id) in live.replicas(), request_id
+    assert headers["x-kvscope-request-id"] == request_id
+    return request_id
+
+
+def _found(client: httpx.Client, request_id: str, statuses: tuple[str, ...]) -> None:
+    info = client.get(f"/requests/{request_id}")
+    assert info.status_code == 200, info.text
+    assert info.json()["id"] == request_id and info.json()["status"] in statuses, info.text
 
 
 def test_a_child_starts_on_its_parents_replica(live: Cluster) -> None:
