@@ -15,7 +15,8 @@ the context, a non-JSON `Content-Type`, `stream_options` without `stream`,
 `prompt_logprobs` with `stream` (as vLLM), `best_of`, `tools` with a stream's
 `logprobs`. `echo` with `logprobs` scores the prompt too (its log-probabilities come
 first, the first token's null, as vLLM's do). Tool calls are `tools.py`'s. Errors are
-in OpenAI's shape (see `errors`).
+in OpenAI's shape (see `errors`); a body its schema refuses is told in vLLM's words,
+pydantic's errors and their types (`invalid_body`).
 """
 
 from __future__ import annotations

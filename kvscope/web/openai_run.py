@@ -220,6 +220,6 @@ def _choice(
     if reasoning.splits:
         choice["message"]["reasoning_content"] = thought
     choice["logprobs"] = view.of_result(result, index)
-    if not view.chat:  # vLLM's, on each completions choice: null unless asked
+    if not view.chat:  # vLLM's, on each completions choice: null unless the prompt was scored
         choice["prompt_logprobs"] = view.vllm_prompt_logprobs(index, result.prompt_logprobs)
     return choice

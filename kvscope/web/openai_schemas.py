@@ -9,7 +9,8 @@ declared and ignored. Declared fields kvscope cannot honour in every value (`bes
 `priority` and the others the README lists are vLLM's extensions. Numeric ranges are
 built from the `Bound`s of `kvscope.params` (`sampling_field`), never restated; the
 only limits of this module's own are OpenAI's: `temperature` up to 2 (a narrowing of
-`SamplingParams`' range) and `n` (and `best_of`) up to `MAX_N`.
+`SamplingParams`' range) and `n` (and `best_of`) up to `MAX_N`. The option objects
+a body holds (`stream_options`, `response_format`, ...) are `openai_options`'.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvscope.actors.beam_search import MAX_BEAM_WIDTH
 from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
+from .openai_options import ResponseFormat, StreamOptions, StructuredOutputs
 from .schemas import bounded_field, sampling_field
 from .tools import ToolChoice, ToolDef, ToolPlan
 
@@ -71,57 +73,6 @@ BEAM_SEARCH_REFUSES = (
     "tools",
     "tool_choice",
 )
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # always strict here: the grammar enforces the schema
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs` (its newer spelling of the `guided_*` fields): one
-    of a JSON schema, a regex, choices or a grammar."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    json_: dict[str, Any] | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-    def guides(self) -> dict[str, Any]:
-        """As `SamplingParams`' `guided_*` fields."""
-        given = {
-            "guided_json": self.json_,
-            "guided_regex": self.regex,
-            "guided_choice": self.choice,
-            "guided_grammar": self.grammar,
-        }
-        return {name: value for name, value in given.items() if value is not None}
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`; `json_object` is any JSON object."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    def guide_schema(self) -> dict[str, Any] | None:
-        """The JSON schema to constrain to (None for text)."""
-        if self.type == "json_object":
-            return {"type": "object"}
-        if self.type == "json_schema":
-            return self.json_schema.schema_ if self.json_schema is not None else None
-        return None
 
 
 class OpenAISampling(BaseModel):
