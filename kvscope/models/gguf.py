@@ -32,8 +32,8 @@ from .chat import compile_template
 from .errors import ModelLoadError
 from .gguf_tokenizer import gguf_tokenizer
 from .gguf_weights import (
+    check_tensors,
     dequantized_weights,
-    hf_name,
     quantized_weights,
     read_weights,
     row_orders,
@@ -121,9 +121,7 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     if int(metadata.get("split.count") or 1) > 1:
         raise ModelLoadError(f"{path} is one part of a split GGUF file; merge it first")
     tensors = list(reader.tensors)
-    for tensor in tensors:  # refuse an unknown tensor before any work
-        served_type(tensor)
-        hf_name(tensor.name)
+    check_tensors(tensors)
     hf = hf_config(metadata, {t.name: [int(n) for n in t.shape] for t in tensors})
     tokenizer = gguf_tokenizer(metadata, eos_token_ids=tuple(hf["eos_token_id"]))
     if tokenizer.vocab_size > hf["vocab_size"]:

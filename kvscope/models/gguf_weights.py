@@ -31,6 +31,7 @@ from .errors import ModelLoadError
 
 __all__ = [
     "SERVED_TYPES",
+    "check_tensors",
     "dequantized_weights",
     "hf_name",
     "quantized_weights",
@@ -121,11 +122,24 @@ def served_type(tensor: Any) -> str:
     return str(name)
 
 
+def check_tensors(tensors: list[Any]) -> None:
+    """Refuse a file holding a tensor kvscope does not know or whose type it does not
+    serve, naming it, before any is read."""
+    for tensor in tensors:
+        served_type(tensor)
+        hf_name(tensor.name)
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """`array`, copied out of the file's read-only memory map where it is a view of it."""
+    return array if array.flags.writeable else array.copy()
+
+
 def _dequantized(tensor: Any, heads: int | None) -> torch.Tensor:
     from gguf.quants import dequantize
 
     shape = [int(n) for n in reversed(tensor.shape.tolist())]
-    values = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)))
+    values = torch.from_numpy(_writable(dequantize(tensor.data, tensor.tensor_type)))
     values = values.reshape(shape)
     return values if heads is None else values[unpermute_rows(shape[0], heads)]
 
@@ -149,18 +163,16 @@ def read_weights(
     progress: bool = False,
     desc: str = "dequantizing",
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every tensor of `tensors` (a `GGUFReader`'s) under its Hugging Face name, with
-    the rows of those in `orders` put back in Hugging Face's order: a
-    `QuantizedWeight` where `keep_quantized(name)` holds for a matrix (`MATRICES`),
-    else dequantized to float32, with a progress bar (tqdm, on stderr) if asked."""
+    """Every tensor of `tensors` (a checked `GGUFReader`'s, `check_tensors`) under its
+    Hugging Face name, the rows of those in `orders` put back in Hugging Face's order:
+    a `QuantizedWeight` where `keep_quantized(name)` holds for a matrix (`MATRICES`),
+    else dequantized to float32; with a progress bar (tqdm, on stderr) if asked."""
     from tqdm import tqdm
 
-    for tensor in tensors:  # refuse before any work
-        served_type(tensor)
-        hf_name(tensor.name)
+    total = sum(int(t.n_bytes) for t in tensors)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    with tqdm(total=sum(int(t.n_bytes) for t in tensors), desc=desc, unit="B",
-              unit_scale=True, disable=not progress) as bar:  # fmt: skip
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress)
+    with bar:
         for tensor in tensors:
             name = hf_name(tensor.name)
             heads = orders.get(name)
@@ -182,5 +194,9 @@ def dequantized_weights(
 
 def quantized_weights(tensors: list[Any], orders: Mapping[str, int]) -> dict[str, QuantizedWeight]:
     """Each matrix (`MATRICES`) as a `QuantizedWeight`, in Hugging Face's row order."""
-    linear = [t for t in tensors if MATRICES.fullmatch(hf_name(t.name))]
-    return {hf_name(t.name): _quantized(t, orders.get(hf_name(t.name))) for t in linear}
+    named = {hf_name(t.name): t for t in tensors}
+    return {
+        name: _quantized(tensor, orders.get(name))
+        for name, tensor in named.items()
+        if MATRICES.fullmatch(name)
+    }

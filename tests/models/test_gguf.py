@@ -210,8 +210,14 @@ def test_what_is_not_served_is_refused_by_name(
         load_model(str(path), device=CPU)
 
 
-def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+def test_a_file_that_is_not_gguf_or_is_cut_short_is_refused(
+    gguf_files: Any, tmp_path: Path
+) -> None:
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="cannot read .* as GGUF"):
+        load_model(str(path), device=CPU)
+    whole, _ = gguf_files("llama")
+    path.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match="cannot read .* as GGUF"):
         load_model(str(path), device=CPU)
