@@ -3,7 +3,8 @@
 `stream_chunks` is the SSE body's generator: the opening chunks (chat's role, an echo),
 each choice's chunks as its deltas arrive (interleaved, told apart by `index`), then
 the usage chunk if asked and `[DONE]`; the stream's last chunk, the usage and `[DONE]`
-go out in one write. `ChoiceStream` turns one choice's events into chunks: its text
+go out in one write where its requests have all ended by then (a last token is never
+held back waiting for them). `ChoiceStream` turns one choice's events into chunks: its text
 (with a reasoning parser, `reasoning_content` and the answer; with tools, the content
 up to a call and the calls, `tools.py`), its log-probabilities, and, under vLLM's
 `continuous_usage_stats` (only with `include_usage`, as vLLM), its usage so far.
@@ -261,7 +262,9 @@ async def stream_chunks(
         out = choice.on_delta(delta) if delta is not None else choice.on_end()
         if choice.finished and not was_finished:
             unfinished -= 1
-            if not unfinished:  # the stream's last chunk goes with the usage and [DONE]
+            # The stream's last chunk goes out with the usage and [DONE] where every
+            # request has ended (their ends are then read at once), else at once.
+            if not unfinished and all(job.done for job in jobs):
                 last = out
                 continue
         if out:
