@@ -1,6 +1,7 @@
 """The compiled CPU library: the decode kernel (`csrc/paged_decode.cpp`), which attends
 over the paged K/V blocks in place instead of gathering them first, the prefill kernel
-beside it, and the fused elementwise steps (`csrc/elementwise.cpp`, used by `fused.py`).
+beside it, the fused elementwise steps (`csrc/elementwise.cpp`, used by `fused.py`), and
+the multiplies by GGML-quantized weights (`csrc/quant_matmul.cpp`, used by `quantized.py`).
 
 It is built once per machine, the first time an engine runs on the CPU, into a cache
 directory (`$KVSCOPE_KERNEL_CACHE`, else `$TORCH_EXTENSIONS_DIR/kvscope`, else
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 #: Compiled into one library; `simd.h` beside them is theirs too (the cache key reads
 #: every file of `csrc`).
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp", CSRC / "quant_matmul.cpp")
 #: Flags beyond torch's include and library paths. `-march=native`: the build is for
 #: this machine only, and its cache key includes the CPU's flags.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++20", "-shared", "-fPIC")
@@ -125,7 +126,8 @@ def library_path(cxx: str) -> Path:
     for source in sorted(CSRC.iterdir()):
         if source.is_file():
             key.update(source.read_bytes())
-    for part in (torch.__version__, cxx, " ".join(FLAGS), _cpu_flags()):
+    # SOURCES too: a build of fewer of csrc's files must not pass for one of all of them
+    for part in (torch.__version__, cxx, " ".join(FLAGS), _cpu_flags(), *map(str, SOURCES)):
         key.update(part.encode())
     key.update(sys.version.encode())
     return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
@@ -238,6 +240,7 @@ class CpuKernel:
         self.silu_and_mul_op, self.rms_norm_op = silu_and_mul, rms_norm
         self.rope_and_cache_op = rope_and_cache
         self.small_linear_op = small_linear if isa == "avx512-bf16" else None
+        self.quant_linear_op, self.quant_dequantize_op = _quant_ops()
         self.op, self.prefill_op, self.isa = op, prefill_op, isa
         with contextlib.suppress(OSError):
             os.utime(path)  # "recent" for `prune_builds` means recently used
@@ -255,6 +258,20 @@ class CpuKernel:
         self.why_not = why
         log.warning("CPU paged attention stays on the torch fallback: %s", why)
         self._done.set()
+
+
+def _quant_ops() -> tuple[Callable[..., None], Callable[..., None]] | tuple[None, None]:
+    """The quantized-weight ops (`csrc/quant_matmul.cpp`) once checked against their
+    torch reference, else (None, None) and one log line: the rest of the library serves."""
+    from .ggml_quants import check_quant_ops
+
+    try:
+        ops = torch.ops.kvscope.quant_linear.default, torch.ops.kvscope.quant_dequantize.default
+        check_quant_ops(*ops)
+    except Exception as exc:  # a broken build of this source alone: torch dequantizes
+        log.warning("quantized weights stay on the torch fallback: %s", exc)
+        return None, None
+    return ops
 
 
 def _prefill_in_place(prefill_op: Callable[..., None]) -> bool:

@@ -141,37 +141,63 @@ def quantized_linear(
 
 
 def _linear_2d(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if not compiled_for(x, weight):
+        return slab_linear(x, weight, bias, compiled=False)
+    if x.shape[0] <= DOT_ROWS:
+        return dot_linear(x, weight, bias)
+    return slab_linear(x, weight, bias, compiled=True)
+
+
+def compiled_for(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """Whether the compiled library multiplies `x` by `weight` (starting its build, or
+    its load from the cache, on the first call)."""
     kernel = cpu_kernel()
     kernel.start()
-    compiled = (
+    return (
         kernel.quant_linear_op is not None
         and x.device.type == "cpu"
         and weight.data.device.type == "cpu"
         and x.dtype in ACTIVATION_DTYPES
         and weight.qtype in COMPILED_TYPES
     )
-    if bias is not None:
-        bias = bias.to(x.dtype)
+
+
+def dot_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The compiled integer dot-product kernel (see `compiled_for`): x (rows, in) of
+    float32 or bfloat16, bias (if any) of x's dtype."""
+    op = cpu_kernel().quant_linear_op
+    assert op is not None, "see compiled_for"
+    out = x.new_empty(x.shape[0], weight.out_features)
+    op(out, x.contiguous(), weight.data, weight.qtype, weight.in_features, bias)
+    return out
+
+
+def slab_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    *,
+    compiled: bool,
+    slab_values: int | None = None,
+) -> torch.Tensor:
+    """`x W^T + b` through slabs of `W` (`slab_values` values each, else the default)
+    dequantized to x's dtype: by the compiled library (`compiled`, see `compiled_for`)
+    or by torch."""
     if not compiled:
-        return _by_slabs(x, weight, bias, _torch_dequantize, FALLBACK_SLAB_VALUES)
-    x = x.contiguous()
-    if x.shape[0] <= DOT_ROWS:
-        out = x.new_empty(x.shape[0], weight.out_features)
-        kernel.quant_linear_op(out, x, weight.data, weight.qtype, weight.in_features, bias)
-        return out
-    dequantize_op = kernel.quant_dequantize_op
-    assert dequantize_op is not None  # loaded with quant_linear_op
+        return _by_slabs(x, weight, bias, dequantize, slab_values or FALLBACK_SLAB_VALUES)
+    op = cpu_kernel().quant_dequantize_op
+    assert op is not None, "see compiled_for"
 
     def compiled_dequantize(part: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         values = torch.empty(part.shape, dtype=dtype)
-        dequantize_op(values, part.data, part.qtype)
+        op(values, part.data, part.qtype)
         return values
 
-    return _by_slabs(x, weight, bias, compiled_dequantize, SLAB_VALUES)
-
-
-def _torch_dequantize(part: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(part, dtype)
+    return _by_slabs(x, weight, bias, compiled_dequantize, slab_values or SLAB_VALUES)
 
 
 def _by_slabs(
