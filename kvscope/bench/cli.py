@@ -1,7 +1,9 @@
-"""`kvscope bench`: the subcommands `cancel`, `throughput` and `report` (DESIGN section 6).
+"""`kvscope bench`: the subcommands `cancel`, `throughput`, `report` and `convert`
+(DESIGN section 6).
 
 `cancel` and `throughput` print markdown tables, and write `--json PATH` and `--plot
-PATH` when asked; `report` prints the tables of saved JSON files again. The benchmarks
+PATH` when asked; `report` prints the tables of saved JSON files again; `convert` writes
+a GGUF file as the Hugging Face directory vLLM serves (`--peer-model`). The benchmarks
 need the `bench` extra; without it `main` says what to install and exits 2 before
 importing anything heavy. Each subcommand's modules (and the peers' launchers, inside
 `throughput`) are imported only when it runs.
@@ -22,6 +24,7 @@ COMMANDS = {
     "throughput": (".throughput.command", "output tokens/s vs transformers and vLLM"),
     "cancel": (".cancel.command", "cancel half of many streams; each hop of the cancel path"),
     "report": (".report", "print the tables of saved --json files again"),
+    "convert": (".convert", "a GGUF file as a Hugging Face bf16 directory (for vLLM)"),
 }
 
 

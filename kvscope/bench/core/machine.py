@@ -83,6 +83,8 @@ class Machine(Record):
     kvscope_revision: str | None = None
     transformers: str | None = None
     vllm: str | None = None
+    #: `llama-server --version`'s first line, where the llama.cpp peer ran.
+    llama_cpp: str | None = None
     #: `vector_extensions()`: which kernels' paths the figures are of.
     vector_extensions: list[str] | None = None
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+#: The dtypes a benchmark may run kvscope in (`auto`: the checkpoint's own).
+DTYPES = ("auto", "float32", "bfloat16")
+
 
 def add_common_arguments(p: argparse.ArgumentParser, *, threads: str) -> None:
     """--model, --dtype, --threads (default `threads`), --log-dir, --json, --plot."""
@@ -13,7 +16,7 @@ def add_common_arguments(p: argparse.ArgumentParser, *, threads: str) -> None:
         default=None,
         help="checkpoint dir or tiny-random (default: the reference Llama, built on first use)",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument(
         "--threads",
         default=threads,

@@ -44,16 +44,22 @@ def make_prompts(
 
 
 def vocab_size_of(model: str) -> int:
-    """The vocabulary size of a model name as `Engine.open` takes it."""
+    """The token ids a prompt may use, for a model name as `Engine.open` takes it: a
+    checkpoint directory, a GGUF file (or a short name for one), or a built-in name."""
     if model == "tiny-random":
         return 256  # bytes only; BOS and EOS stay out of prompts
     import json
     from pathlib import Path
 
+    from . import gguf_model
+
     if model == "bundled":
         from kvscope.models.loader import BUNDLED_DIR
 
         model = str(BUNDLED_DIR)
+    model = gguf_model.resolve(model)
+    if (file := gguf_model.gguf_file(model)) is not None:
+        return gguf_model.vocab_size(file)
     return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
 
 

@@ -1,12 +1,17 @@
 """`kvscope bench throughput`: output tokens/s, served against served.
 
-For each torch thread count (default 1 and 2), on the reference model and the same
-prompt token ids, each phase alone on the machine: `kvscope serve` and vLLM's CPU build
-(where installed), both driven over HTTP by the same light client on the same route
-(streaming `/v1/completions`); kvscope's engine in-process, as its own row (never the
-target); `transformers` `generate` one request at a time and as a static batch. The
-headline compares kvscope served with vLLM served at every concurrency (tokens/s and
-TTFT p50), with the first `--worker` given; each other worker is its own served row.
+For each torch thread count (default 1 and 2), on the reference model (or `--model`: a
+checkpoint directory, or a GGUF file) and the same prompt token ids, each phase alone on
+the machine: `kvscope serve`, vLLM's CPU build (where installed) and llama.cpp's
+`llama-server` (where given, on a GGUF file), all driven over HTTP by the same light
+client on the same route (streaming `/v1/completions`; `served.py`); kvscope's engine
+in-process, as its own row (never the target); `transformers` `generate` one request at
+a time and as a static batch. vLLM and transformers serve a checkpoint directory: for a
+GGUF model, `--peer-model` (the same weights, `kvscope bench convert`). kvscope serve
+runs once per `--serve-dtype` (a GGUF file: as the file holds its weights, `auto`, and
+dequantized to bfloat16). The headline compares kvscope served with vLLM and with
+llama.cpp served at every concurrency (tokens/s and TTFT p50), with the first
+`--worker` given and the weights the peer serves; every other run is its own row.
 What the serving path costs against the engine in-process is measured apart, with both
 up at once and taking turns (`paired.py`), as the machine's speed drifts between phases.
 Also: the step loop's overhead, the client's CPU seconds per level, the time
@@ -18,6 +23,7 @@ only when their phase runs.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -26,69 +32,19 @@ from typing import Any
 import anyio
 import attrs
 
-from kvscope.web.serve import SERVED_WORKER
-
-from ..core import machine, servers
-from ..core.options import add_common_arguments, ints
+from ..core import gguf_model, machine, servers
+from ..core.options import ints
 from ..core.workload import Workload, make_prompts, vocab_size_of
+from .arguments import add_arguments, check_arguments, peers_of, serve_dtypes
 from .engine_run import run_engine
 from .headline import headline
-from .http_level import run_http_level
 from .paired import run_paired
-from .records import ColdStart, Config, HfRun, LoadAround, PairedRun, ServedRun, ThroughputResult
+from .records import Config, PairedRun, ServedRun, ThroughputResult
+from .served import run_served
 from .tables import throughput_tables
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, threads="1,2")
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
-    p.add_argument(
-        "--min-requests",
-        type=int,
-        default=4,
-        help="requests per level at least (a level sends max(this, concurrency))",
-    )
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="every system's requests sample at this temperature (default 0: greedy)",
-    )
-    p.add_argument(
-        "--top-p", type=float, default=1.0, help="and keep this top-p nucleus (default 1: all)"
-    )
-    p.add_argument(
-        "--hf-requests", type=int, default=4, help="requests for transformers one at a time"
-    )
-    p.add_argument(
-        "--worker",
-        default=SERVED_WORKER,
-        help="where kvscope serve runs the model: thread, process (comma-separated, each "
-        "measured; the first is the one the headline compares with vLLM)",
-    )
-    p.add_argument(
-        "--paired-rounds",
-        type=int,
-        default=3,
-        help="rounds of kvscope serve (the first --worker) and the engine in-process "
-        "taking turns at each level, for the serving path's cost (0 skips)",
-    )
-    p.add_argument(
-        "--peers",
-        default="kvscope-serve,vllm,transformers",
-        help="peers to run: kvscope-serve,vllm,transformers (or none)",
-    )
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="python of the venv vLLM's CPU build is installed in "
-        "(default: $KVSCOPE_VLLM_PYTHON or /root/vllm-venv/bin/python)",
-    )
-    p.add_argument(
-        "--level-timeout", type=float, default=600, help="seconds before a level is abandoned"
-    )
+#: `kvscope bench` calls `add_arguments` (from `arguments.py`) and `run` of this module.
+__all__ = ["add_arguments", "run"]
 
 
 def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,78 +64,42 @@ def build_levels(args: argparse.Namespace, vocab: int) -> list[tuple[int, Worklo
     return levels
 
 
-async def _http_peer(
-    server: servers.Server,
-    model: str | None,
-    levels: list[tuple[int, Workload]],
-    timeout: float,
-    label: str,
-    threads: int,
-) -> ServedRun:
-    """Start `server`, time its cold start to a first token, then run every level."""
-    from ..core.http import served_model
-
-    out = []
-    before = machine.load_average()
-    async with server:
-        model = model or await served_model(server.base_url)
-        warm = Workload([levels[0][1].prompts[0][::-1]], 4)  # a prompt none of the levels uses
-        first = await run_http_level(server.base_url, model, warm, 1, timeout)
-        assert server.spawned_at is not None and server.ready_at is not None
-        ready = server.ready_at - server.spawned_at
-        # The first request is sent once the server is ready: its TTFT is added.
-        first_token = ready + (first.ttft_ms.p50 or 0) / 1e3
-        fully_up = await server.settled()
-        cold = ColdStart(
-            ready_s=round(ready, 2),
-            first_token_s=round(first_token, 2),
-            fully_up_s=None if fully_up is None else round(fully_up, 2),
-        )
-        print(f"  {label} threads={threads} cold start: {cold}", flush=True)
-        for c, workload in levels:
-            level = await run_http_level(server.base_url, model, workload, c, timeout)
-            out.append(level)
-            print(
-                f"  {label} threads={threads} concurrency={c}: {level.tokens_per_s:.0f} tok/s, "
-                f"ITL p50 {level.itl_ms.p50} ms, client CPU {level.client_cpu_s} s",
-                flush=True,
-            )
-    return ServedRun(
-        threads=threads,
-        levels=out,
-        cold_start=cold,
-        settings=server.settings,
-        load_average=LoadAround(before=before, after=machine.load_average()),
-        processes_left=len(server.left_behind),  # counted once it has stopped
-    )
-
-
 def _kvscope_server(
-    args: argparse.Namespace, model: str, threads: int, worker: str, phase: str = "serve"
+    args: argparse.Namespace, model: str, threads: int, worker: str, dtype: str, phase: str
 ) -> servers.Server:
     return servers.kvscope_server(
         model,
         threads=threads,
-        dtype=args.dtype,
-        log_path=args.log_dir / f"kvscope-{phase}-{threads}-{worker}.log",
+        dtype=dtype,
+        log_path=args.log_dir / f"kvscope-{phase}-{threads}-{worker}-{dtype}.log",
         worker=worker,
         extra=["--max-num-seqs", str(max(ints(args.concurrency)))],
     )
 
 
 def serve_phase(
-    args: argparse.Namespace, model: str, levels, threads: int, worker: str
+    args: argparse.Namespace,
+    model: str,
+    levels,
+    threads: int,
+    worker: str,
+    dtype: str,
+    weights: str | None,
 ) -> ServedRun:
-    server = _kvscope_server(args, model, threads, worker)
-    print(f"kvscope serve (HTTP), {threads} thread(s), {worker} worker ...", flush=True)
+    server = _kvscope_server(args, model, threads, worker, dtype, phase="serve")
+    held = f", weights {weights}" if weights else ""
+    print(
+        f"kvscope serve (HTTP), {threads} thread(s), {worker} worker, --dtype {dtype}{held} ...",
+        flush=True,
+    )
     timeout = args.level_timeout
-    run = anyio.run(_http_peer, server, None, levels, timeout, "kvscope serve", threads)
-    return attrs.evolve(run, worker=worker)
+    run = anyio.run(run_served, server, None, levels, timeout, "kvscope serve", threads)
+    return attrs.evolve(run, worker=worker, dtype=dtype, weights=weights)
 
 
 def paired_phase(args: argparse.Namespace, model: str, levels, threads: int) -> PairedRun:
     worker = args.worker.split(",")[0].strip()  # the headline's
-    server = _kvscope_server(args, model, threads, worker, phase="paired")
+    server = _kvscope_server(args, model, threads, worker, args.dtype, phase="paired")
     print(
         f"kvscope serve and the engine in-process, interleaved, {threads} thread(s), "
         f"{worker} worker, {args.paired_rounds} rounds ...",
@@ -199,59 +119,7 @@ def paired_phase(args: argparse.Namespace, model: str, levels, threads: int) -> 
     return anyio.run(run)
 
 
-def hf_phase(
-    args: argparse.Namespace, model: str, vocab: int, levels, missing: dict[str, str]
-) -> list[HfRun]:
-    from . import hf_peer
-
-    why = (
-        hf_peer.available()
-        or (None if Path(model).is_dir() else "transformers needs a checkpoint dir, not " + model)
-        or (None if args.temperature == 0 else "its runs are greedy only (--temperature 0)")
-    )
-    if why:
-        missing["transformers"] = why
-        print(f"transformers peer MISSING: {why}", flush=True)
-        return []
-    prompts = make_prompts(args.hf_requests, args.prompt_tokens, vocab, seed=3)
-    batches = [(c, w) for c, w in levels if c > 1]
-    runs = []
-    for threads in ints(args.threads):
-        print(f"transformers, {threads} thread(s) ...", flush=True)
-        one = Workload(prompts, args.max_tokens)
-        runs.append(hf_peer.run_hf(model, threads, one, batches, dtype=args.dtype))
-    return runs
-
-
-def vllm_phase(
-    args: argparse.Namespace, model: str, levels, missing: dict[str, str]
-) -> tuple[list[ServedRun], str | None]:
-    """vLLM served at every thread count, and its version (None if it did not run)."""
-    from . import vllm_peer
-
-    python = args.vllm_python or vllm_peer.DEFAULT_VLLM_PYTHON
-    why = vllm_peer.vllm_missing(python) if Path(model).is_dir() else "vLLM needs a checkpoint dir"
-    if why:
-        missing["vllm"] = why
-        print(f"vLLM peer MISSING: {why}", flush=True)
-        return [], None
-    runs = []
-    for threads in ints(args.threads):
-        log = args.log_dir / f"vllm-{threads}.log"
-        server = vllm_peer.vllm_server(python, model, threads=threads, log_path=log)
-        print(f"vLLM CPU, {threads} thread(s) (starting takes about a minute) ...", flush=True)
-        timeout = args.level_timeout
-        try:
-            runs.append(
-                anyio.run(_http_peer, server, "reference", levels, timeout, "vLLM", threads)
-            )
-        except (RuntimeError, TimeoutError) as exc:
-            missing[f"vllm threads={threads}"] = f"{exc}; log: {server.log_path}"
-            print(f"vLLM failed: {exc}\n{server.log_tail()}", flush=True)
-    return runs, vllm_peer.vllm_version(python)
-
-
-def config_of(args: argparse.Namespace, model: str, levels) -> Config:
+def config_of(args: argparse.Namespace, model: str, levels, model_weights: str | None) -> Config:
     sampling = levels[0][1].sampling  # what the requests sent, recorded from them
     return Config(
         model=model,
@@ -264,14 +132,47 @@ def config_of(args: argparse.Namespace, model: str, levels) -> Config:
         hf_requests=args.hf_requests,
         temperature=sampling["temperature"],
         top_p=sampling.get("top_p", 1.0),
+        peer_model=None if args.peer_model is None else str(args.peer_model),
+        model_weights=model_weights,
     )
+
+
+def peer_dir(args: argparse.Namespace, model: str, model_file: Path | None) -> str | None:
+    """The checkpoint directory vLLM and transformers serve: `--peer-model`, else the
+    model where it is one (None for a GGUF file without `--peer-model`)."""
+    if args.peer_model is not None:
+        return str(args.peer_model)
+    return model if model_file is None and Path(model).is_dir() else None
+
+
+def kvscope_serve_runs(
+    args: argparse.Namespace, model: str, levels, file_weights: str | None, gguf: bool
+) -> list[ServedRun]:
+    """kvscope serve at every thread count, worker and dtype (in that nesting)."""
+    return [
+        serve_phase(
+            args,
+            model,
+            levels,
+            t,
+            worker.strip(),
+            dtype,
+            gguf_model.served_weights(file_weights, dtype),
+        )
+        for t in ints(args.threads)
+        for worker in args.worker.split(",")
+        for dtype in serve_dtypes(args, gguf)
+    ]
 
 
 def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
     """Every phase asked for, one after the other; the result without its headline."""
+    model_file = gguf_model.gguf_file(model)
+    file_weights = None if model_file is None else gguf_model.weight_type(model_file)
+    peer = peer_dir(args, model, model_file)
     vocab = vocab_size_of(model)
     levels = build_levels(args, vocab)
-    peers = {p.strip() for p in args.peers.split(",")} - {"", "none"}
+    peers = peers_of(args)
     started, t0 = machine.describe(), time.perf_counter()
     missing: dict[str, str] = {}
     engine_runs = []
@@ -281,33 +182,64 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
         engine_runs.append(anyio.run(partial(engine, timeout=args.level_timeout)))
     served = []
     if "kvscope-serve" in peers:
-        served = [
-            serve_phase(args, model, levels, t, worker.strip())
-            for t in ints(args.threads)
-            for worker in args.worker.split(",")
-        ]
+        served = kvscope_serve_runs(args, model, levels, file_weights, model_file is not None)
     paired = []
     if "kvscope-serve" in peers and args.paired_rounds > 0:
         paired = [paired_phase(args, model, levels, t) for t in ints(args.threads)]
-    hf = hf_phase(args, model, vocab, levels, missing) if "transformers" in peers else []
-    vllm, vllm_version = vllm_phase(args, model, levels, missing) if "vllm" in peers else ([], None)
+    hf = []
+    if "transformers" in peers:
+        from .hf_peer import hf_phase
+
+        hf = hf_phase(args, peer, vocab, levels, missing)
+    vllm, vllm_version = vllm_runs(args, peer, levels, missing, file_weights, peers)
+    llama_cpp, llama_cpp_version = llama_cpp_runs(
+        args, model_file, levels, missing, file_weights, peers
+    )
+    ended = attrs.evolve(started.ended(), vllm=vllm_version, llama_cpp=llama_cpp_version)
     return ThroughputResult(
-        machine=attrs.evolve(started.ended(), vllm=vllm_version),
-        config=config_of(args, model, levels),
+        machine=ended,
+        config=config_of(args, model, levels, file_weights),
         kvscope=engine_runs,
         missing=missing,
         kvscope_serve=served,
         vllm=vllm,
+        llama_cpp=llama_cpp,
         transformers=hf,
         paired=paired,
         elapsed_s=round(time.perf_counter() - t0, 1),
     )
 
 
+def vllm_runs(
+    args: argparse.Namespace, peer, levels, missing, file_weights, peers: set[str]
+) -> tuple[list[ServedRun], str | None]:
+    if "vllm" not in peers:
+        return [], None
+    from .vllm_peer import VLLM_DTYPE, vllm_phase
+
+    weights = gguf_model.served_weights(file_weights, VLLM_DTYPE)
+    return vllm_phase(args, peer, levels, missing, weights)
+
+
+def llama_cpp_runs(
+    args: argparse.Namespace, model_file, levels, missing, file_weights, peers: set[str]
+) -> tuple[list[ServedRun], str | None]:
+    if "llama.cpp" not in peers:
+        return [], None
+    from .llamacpp_peer import llama_cpp_phase
+
+    weights = gguf_model.served_weights(file_weights, "auto")  # the file as it is
+    return llama_cpp_phase(args, model_file, levels, missing, weights)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..core.reference_model import ensure_reference_model
 
-    result = measure(args, args.model or str(ensure_reference_model()))
+    if why := check_arguments(args):
+        print(f"kvscope bench throughput: {why}", file=sys.stderr)
+        return 2
+    model = gguf_model.resolve(args.model) if args.model else str(ensure_reference_model())
+    result = measure(args, model)
     result = attrs.evolve(result, headline=headline(result))
     print()
     print(throughput_tables(result))

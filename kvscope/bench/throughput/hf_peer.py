@@ -4,14 +4,18 @@ Two ways, on the same checkpoint and the same prompt token ids as kvscope:
 * one request at a time: `model.generate` per prompt, back to back;
 * a static batch: every prompt of a level in one `generate` call (the prompts all have
   the same length, so the batch needs no padding; an attention mask is passed anyway).
-Greedy, `min_new_tokens = max_new_tokens` (the `ignore_eos` of the others).
+Greedy, `min_new_tokens = max_new_tokens` (the `ignore_eos` of the others). The
+checkpoint is the model, or `--peer-model` where the model is a GGUF file; `hf_phase`
+runs both ways at every thread count.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
-from ..core.workload import Workload
+from ..core.options import ints
+from ..core.workload import Workload, make_prompts
 from .records import HfBatch, HfOneAtATime, HfRun
 
 
@@ -92,3 +96,26 @@ def run_hf(
             flush=True,
         )
     return HfRun(threads=threads, one_at_a_time=one, static_batch=static)
+
+
+def hf_phase(
+    args: argparse.Namespace, model: str | None, vocab: int, levels, missing: dict[str, str]
+) -> list[HfRun]:
+    why = (
+        available()
+        or (None if model else f"transformers needs a checkpoint dir, not {args.model}")
+        or (None if args.temperature == 0 else "its runs are greedy only (--temperature 0)")
+    )
+    if why:
+        missing["transformers"] = why
+        print(f"transformers peer MISSING: {why}", flush=True)
+        return []
+    assert model is not None  # else `why` says so
+    prompts = make_prompts(args.hf_requests, args.prompt_tokens, vocab, seed=3)
+    batches = [(c, w) for c, w in levels if c > 1]
+    runs = []
+    for threads in ints(args.threads):
+        print(f"transformers, {threads} thread(s) ...", flush=True)
+        one = Workload(prompts, args.max_tokens)
+        runs.append(run_hf(model, threads, one, batches, dtype=args.dtype))
+    return runs

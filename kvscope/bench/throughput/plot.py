@@ -6,14 +6,14 @@ from pathlib import Path
 
 from ..core.plots import pyplot, save
 from .records import EngineRun, Level, ServedRun, ThroughputResult, level_of
+from .tables import served_systems
 
 
 def _series(r: ThroughputResult) -> list[tuple[str, list[float | None]]]:
     conc = r.config.concurrency
     series: list[tuple[str, list[float | None]]] = []
     runs: list[tuple[str, EngineRun | ServedRun]] = [("kvscope engine", run) for run in r.kvscope]
-    runs += [(run.label, run) for run in r.kvscope_serve]
-    runs += [("vLLM CPU", run) for run in r.vllm]
+    runs += served_systems(r)
     series += [
         (f"{label}, {run.threads}T", [_tps(run.levels, c) for c in conc]) for label, run in runs
     ]

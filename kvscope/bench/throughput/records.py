@@ -89,12 +89,24 @@ class ServedRun(Record):
     #: The server's child processes still there once it exited on SIGTERM (None in
     #: files written before session 10).
     processes_left: int | None = None
+    #: The `--dtype` the server was given: kvscope serve's, vLLM's (None for llama.cpp,
+    #: which serves the file as it is, and in older files).
+    dtype: str | None = None
+    #: How the server held the weights, where the model is a GGUF file: the file's
+    #: type (`Q4_1`, kvscope under `--dtype auto`, and llama.cpp) or the float type
+    #: they were dequantized to (`bfloat16`); None for a checkpoint directory.
+    weights: str | None = None
 
     @property
     def label(self) -> str:
         """kvscope serve's name in the tables, with its worker where the file says
         (files from before it was recorded ran the thread worker, unnamed)."""
-        return "kvscope serve" if self.worker is None else f"kvscope serve, {self.worker} worker"
+        name = "kvscope serve" if self.worker is None else f"kvscope serve, {self.worker} worker"
+        return self.named(name)
+
+    def named(self, system: str) -> str:
+        """`system`, with the weights where they are recorded."""
+        return system if self.weights is None else f"{system}, {self.weights}"
 
 
 #: The serving path may cost this much of the in-process tokens/s (issue 9, item 4).
@@ -161,6 +173,10 @@ class Config(Record):
     temperature: float = 0
     top_p: float = 1.0
     ignore_eos: bool = True
+    #: The Hugging Face directory vLLM and transformers ran (`--peer-model`), where
+    #: `model` is a GGUF file; and how that file holds its weights (`Q4_1`).
+    peer_model: str | None = None
+    model_weights: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -178,11 +194,28 @@ class LevelHeadline(Record):
 
 
 @attrs.frozen(kw_only=True)
+class PeerLevelHeadline(Record):
+    """kvscope served against another served peer (llama.cpp) at one concurrency."""
+
+    kvscope_serve_tokens_per_s: float | None
+    peer_tokens_per_s: float | None
+    #: kvscope's tokens/s over the peer's.
+    x_peer: float | None
+    kvscope_serve_ttft_p50_ms: float | None
+    peer_ttft_p50_ms: float | None
+    ttft_no_worse: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
 class ThreadsHeadline(Record):
     levels: dict[str, LevelHeadline]
     transformers_one_at_a_time_tokens_per_s: float | None = None
     x_transformers_one_at_a_time: float | None = None
     target_3x_transformers_met: bool | None = None
+    #: The kvscope serve row compared with vLLM (in `levels`) and with llama.cpp.
+    vllm_compared_with: str | None = None
+    llama_cpp_compared_with: str | None = None
+    llama_cpp: dict[str, PeerLevelHeadline] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -201,6 +234,8 @@ class ThroughputResult(Record):
     missing: dict[str, str] = attrs.field(factory=dict)
     kvscope_serve: list[ServedRun] = attrs.field(factory=list)
     vllm: list[ServedRun] = attrs.field(factory=list)
+    #: llama.cpp's `llama-server` on the same GGUF file.
+    llama_cpp: list[ServedRun] = attrs.field(factory=list)
     transformers: list[HfRun] = attrs.field(factory=list)
     #: `kvscope serve` and the engine in-process, interleaved (absent before session 10).
     paired: list[PairedRun] = attrs.field(factory=list)

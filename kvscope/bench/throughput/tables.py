@@ -15,14 +15,22 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def served_systems(r: ThroughputResult, *, versions: bool = False) -> list[tuple[str, ServedRun]]:
+    """Every served run with its name in the tables (the peers' versions where asked),
+    the weights it held where recorded."""
+    vllm = f"vLLM CPU {r.machine.vllm or ''}".strip() if versions else "vLLM CPU"
+    llama = f"llama.cpp {r.machine.llama_cpp or ''}".strip() if versions else "llama.cpp"
+    systems = [(run.label, run) for run in r.kvscope_serve]
+    systems += [(run.named(vllm), run) for run in r.vllm]
+    return systems + [(run.named(llama), run) for run in r.llama_cpp]
+
+
 def tokens_table(r: ThroughputResult) -> list[str]:
     conc = r.config.concurrency
-    vllm = f"vLLM CPU {r.machine.vllm or ''} (HTTP)"
     rows: list[list[object]] = [
-        [f"{run.label} (HTTP)", run.threads, *[_tps(run.levels, c) for c in conc]]
-        for run in r.kvscope_serve
+        [f"{label} (HTTP)", run.threads, *[_tps(run.levels, c) for c in conc]]
+        for label, run in served_systems(r, versions=True)
     ]
-    rows += [[vllm, run.threads, *[_tps(run.levels, c) for c in conc]] for run in r.vllm]
     for engine in r.kvscope:
         label = "kvscope (engine API, in-process)"
         rows.append([label, engine.threads, *[_tps(engine.levels, c) for c in conc]])
@@ -46,8 +54,7 @@ def tokens_table(r: ThroughputResult) -> list[str]:
 def latency_table(r: ThroughputResult) -> list[str]:
     rows = []
     systems: list[tuple[str, ServedRun | EngineRun]]
-    systems = [(f"{run.label} (HTTP)", run) for run in r.kvscope_serve]
-    systems += [("vLLM CPU (HTTP)", run) for run in r.vllm]
+    systems = [(f"{label} (HTTP)", run) for label, run in served_systems(r)]
     systems += [("kvscope (engine API)", run) for run in r.kvscope]
     for label, run in systems:
         for lv in run.levels:
@@ -81,8 +88,7 @@ def _start_row(label: str, run: ServedRun) -> list[object]:
 
 
 def servers_table(r: ThroughputResult) -> list[str]:
-    rows = [_start_row(run.label, run) for run in r.kvscope_serve]
-    rows += [_start_row("vLLM CPU", run) for run in r.vllm]
+    rows = [_start_row(label, run) for label, run in served_systems(r)]
     headers = ["server", "threads", "ready s", "first token s", "fully up s"]
     headers += ["load before", "load after", "processes left", "env"]
     return [
@@ -142,12 +148,14 @@ def headline_tables(r: ThroughputResult) -> list[str]:
     if r.headline is None:
         return []
     rows = [
-        [t, c, f.kvscope_serve_tokens_per_s, f.vllm_tokens_per_s, f.x_vllm, f.target_vllm_met,
+        [t, c, h.vllm_compared_with or "-", f.kvscope_serve_tokens_per_s, f.vllm_tokens_per_s,
+         f.x_vllm, f.target_vllm_met,
          f.kvscope_serve_ttft_p50_ms, f.vllm_ttft_p50_ms, f.ttft_no_worse, f.engine_tokens_per_s]
         for t, h in r.headline.by_threads.items()
         for c, f in h.levels.items()
     ]  # fmt: skip
-    headers = ["threads", "concurrent", "kvscope serve tok/s", "vLLM tok/s", "x vLLM", ">= vLLM?"]
+    headers = ["threads", "concurrent", "kvscope serve run", "kvscope serve tok/s", "vLLM tok/s"]
+    headers += ["x vLLM", ">= vLLM?"]
     headers += ["kvscope TTFT p50", "vLLM TTFT p50", "TTFT no worse?", "engine tok/s"]
     out = [
         "",
@@ -171,6 +179,35 @@ def headline_tables(r: ThroughputResult) -> list[str]:
     return out
 
 
+def llama_cpp_table(r: ThroughputResult) -> list[str]:
+    if r.headline is None:
+        return []
+    rows = [
+        [t, c, h.llama_cpp_compared_with, f.kvscope_serve_tokens_per_s, f.peer_tokens_per_s,
+         f.x_peer, f.kvscope_serve_ttft_p50_ms, f.peer_ttft_p50_ms, f.ttft_no_worse]
+        for t, h in r.headline.by_threads.items()
+        for c, f in h.llama_cpp.items()
+    ]  # fmt: skip
+    if not rows:
+        return []
+    headers = ["threads", "concurrent", "kvscope serve run", "kvscope tok/s", "llama.cpp tok/s"]
+    headers += ["x llama.cpp", "kvscope TTFT p50", "llama.cpp TTFT p50", "TTFT no worse?"]
+    return [
+        "",
+        "kvscope served against llama.cpp's llama-server on the same GGUF file",
+        "",
+        table(headers, rows),
+    ]
+
+
+def _model_line(r: ThroughputResult) -> list[str]:
+    config = r.config
+    if config.model_weights is None:
+        return []
+    peer = config.peer_model or "none given (--peer-model)"
+    return [f"Model: {config.model} ({config.model_weights}); vLLM and transformers: {peer}"]
+
+
 def _sampling_line(r: ThroughputResult) -> str:
     config = r.config
     if config.temperature == 0:
@@ -180,8 +217,8 @@ def _sampling_line(r: ThroughputResult) -> str:
 
 
 def throughput_tables(r: ThroughputResult) -> str:
-    out = [r.machine.summary(), _sampling_line(r), ""]
+    out = [r.machine.summary(), *_model_line(r), _sampling_line(r), ""]
     out += tokens_table(r) + latency_table(r) + servers_table(r) + overhead_table(r)
-    out += paired_table(r) + headline_tables(r)
+    out += paired_table(r) + headline_tables(r) + llama_cpp_table(r)
     out += [f"\nPEER MISSING: {peer}: {why}" for peer, why in r.missing.items()]
     return "\n".join(out)

@@ -1,16 +1,27 @@
-"""The vLLM peer of `bench throughput`: its CPU build, in its own venv, as a server.
+"""The vLLM peer of `bench throughput`: its CPU build, in its own venv, as a server,
+and its phase (every thread count, served and measured as `served.py` does).
 
-Imported only when `bench throughput` runs with the vLLM peer, so nothing else in
-kvscope (the installed package, the other benchmark) ever reaches a vLLM launcher.
+vLLM serves a Hugging Face directory: the model, or `--peer-model` where the model is
+a GGUF file (the same weights, written by `kvscope bench convert`). Imported only when
+`bench throughput` runs with the vLLM peer, so nothing else in kvscope (the installed
+package, the other benchmark) ever reaches a vLLM launcher.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 from pathlib import Path
 
+import anyio
+import attrs
+
+from ..core.options import ints
 from ..core.servers import Server, free_port
+from ..core.workload import Workload
+from .records import ServedRun
+from .served import run_served
 
 DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin/python")
 #: vLLM's CPU docs preload tcmalloc and Intel's OpenMP. tcmalloc (Debian's
@@ -18,6 +29,8 @@ DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin
 #: lib/libiomp5.so) is not: with it preloaded, vLLM 0.32's server hung here for over
 #: 6 minutes before starting its engine core, where without it the core starts in ~1.
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+#: The dtype vLLM serves in (its CPU build's fast path).
+VLLM_DTYPE = "bfloat16"
 
 
 def vllm_missing(python: str) -> str | None:
@@ -68,7 +81,7 @@ def vllm_server(
         "--port",
         str(port),
         "--dtype",
-        "bfloat16",
+        VLLM_DTYPE,
         "--max-model-len",
         "4096",
         "--served-model-name",
@@ -82,3 +95,39 @@ def vllm_server(
 def vllm_preload(python: str) -> list[str]:
     """The libraries to preload into vLLM (see `TCMALLOC`), those that are installed."""
     return [str(path) for path in (TCMALLOC,) if path.exists()]
+
+
+def vllm_phase(
+    args: argparse.Namespace,
+    model_dir: str | None,
+    levels: list[tuple[int, Workload]],
+    missing: dict[str, str],
+    weights: str | None,
+) -> tuple[list[ServedRun], str | None]:
+    """vLLM served at every thread count, and its version (None if it did not run)."""
+    python = args.vllm_python or DEFAULT_VLLM_PYTHON
+    why = (
+        "vLLM needs a checkpoint dir (for a GGUF model: --peer-model DIR, written by "
+        "`kvscope bench convert`)"
+        if model_dir is None
+        else vllm_missing(python)
+    )
+    if why is not None or model_dir is None:
+        missing["vllm"] = why or ""
+        print(f"vLLM peer MISSING: {why}", flush=True)
+        return [], None
+    runs = []
+    for threads in ints(args.threads):
+        log = args.log_dir / f"vllm-{threads}.log"
+        server = vllm_server(python, model_dir, threads=threads, log_path=log)
+        print(f"vLLM CPU, {threads} thread(s) (starting takes about a minute) ...", flush=True)
+        try:
+            run = anyio.run(
+                run_served, server, "reference", levels, args.level_timeout, "vLLM", threads
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            missing[f"vllm threads={threads}"] = f"{exc}; log: {server.log_path}"
+            print(f"vLLM failed: {exc}\n{server.log_tail()}", flush=True)
+            continue
+        runs.append(attrs.evolve(run, dtype=VLLM_DTYPE, weights=weights))
+    return runs, vllm_version(python)
