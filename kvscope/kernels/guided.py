@@ -2,12 +2,15 @@
 
 `GuideCompiler` (one per engine) owns llguidance's view of the model's tokenizer (built
 on first use) and turns a request's `guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar` (Lark, or GBNF converted to it) into a grammar; one that cannot
-compile is a `ValueError` naming the field (a 400 on the web). `Guide` is one request's matcher. The model step's worker thread asks it for
-the mask of the tokens allowed next (kernels/sampling.py applies it before sampling)
-and tells it the token drawn, so the event loop never computes a mask. A request drops
-its guide when it ends, however it ends (`RequestState.mark_ended`); `live_guides()`
-counts the matchers still alive.
+`guided_grammar` (Lark, or GBNF converted to it) into a compiled matcher; one over the
+budget, or that cannot compile, is a `ValueError` naming the field (a 400 on the web):
+a grammar that would overflow the native compiler's stack never reaches it, and the
+compile runs in a thread of its own (kernels/guide_limits.py). `Guide` is one request's
+matcher, a copy of the compiled one. The model step's worker thread asks it for the mask
+of the tokens allowed next (kernels/sampling.py applies it before sampling) and tells
+it the token drawn, so the event loop never computes a mask. A request drops its guide
+when it ends, however it ends (`RequestState.mark_ended`); `live_guides()` counts the
+matchers still alive.
 
 Why llguidance rather than xgrammar: its wheel is one abi3 binary with no Python
 dependencies (MIT) and installs against any torch, where xgrammar's builds track torch
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvscope.kernels.guide_limits import check_budget, compile_isolated, parser_limits
 from kvscope.params import SamplingParams
 
 #: Grammars compiled, by their source (a service sees the same schemas again and again).
@@ -75,40 +79,54 @@ class Guide:
 
 
 class GuideCompiler:
-    """Grammars for one model's tokenizer."""
+    """Grammars for one model's tokenizer. Each compiles once (kernels/guide_limits.py:
+    within the budget, in a thread of its own) into a matcher that requests copy."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab = vocab_size
         self._ll_tokenizer: Any = None
         self._lock = threading.Lock()
+        # A failure is cached as well: a grammar over the budget is refused at once again.
         self._compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._compile_uncached)
 
     def check(self, params: SamplingParams) -> None:
         """ValueError naming the field if the request's grammar cannot compile."""
         if params.guided:
-            self._grammar(params)
+            self._template(params)
 
     def guide(self, params: SamplingParams) -> Guide | None:
-        """A fresh matcher for the request (each of `n` samples gets its own)."""
+        """A fresh matcher for the request (each of `n` samples gets its own): a copy of
+        the compiled one, so nothing is compiled again outside the compile thread."""
         if not params.guided:
             return None
-        import llguidance
+        return Guide(self._template(params).deep_copy(), self._vocab)
 
-        return Guide(
-            llguidance.LLMatcher(self._llg_tokenizer(), self._grammar(params)), self._vocab
-        )
-
-    def _grammar(self, params: SamplingParams) -> str:
+    def _template(self, params: SamplingParams) -> Any:
+        """The request's compiled matcher, never advanced: a ValueError if none."""
         if params.guided_json is not None:
-            return self._compile("guided_json", params.guided_json)
-        if params.guided_regex is not None:
-            return self._compile("guided_regex", params.guided_regex)
-        if params.guided_grammar is not None:
-            return self._compile("guided_grammar", params.guided_grammar)
-        return self._compile("guided_choice", json.dumps(params.guided_choice))
+            compiled = self._compile("guided_json", params.guided_json)
+        elif params.guided_regex is not None:
+            compiled = self._compile("guided_regex", params.guided_regex)
+        elif params.guided_grammar is not None:
+            compiled = self._compile("guided_grammar", params.guided_grammar)
+        else:
+            compiled = self._compile("guided_choice", json.dumps(params.guided_choice))
+        if isinstance(compiled, str):
+            raise ValueError(compiled)
+        return compiled
 
-    def _compile_uncached(self, field: str, source: str) -> str:
+    def _compile_uncached(self, field: str, source: str) -> Any:
+        """The compiled matcher, or the error message that says why there is none."""
+        try:
+            check_budget(field, source)
+            return compile_isolated(lambda: self._matcher(field, source), field)
+        except ValueError as exc:
+            return str(exc)
+
+    def _matcher(self, field: str, source: str) -> Any:
+        """(compile thread) A matcher for `source`, its first mask computed (the lexer
+        it builds is shared with its copies, so their first step is quick)."""
         try:
             import llguidance
         except ImportError:  # pragma: no cover - a core dependency
@@ -126,10 +144,15 @@ class GuideCompiler:
                 grammar = matcher.grammar_from_lark(f"start: {choices}")
         except ValueError as exc:
             raise ValueError(f"{field} cannot be compiled: {exc}") from None
-        error = matcher.validate_grammar(grammar, self._llg_tokenizer())
+        tokenizer, limits = self._llg_tokenizer(), parser_limits()
+        error = matcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error and not error.startswith("WARNING"):
             raise ValueError(f"{field} cannot be compiled: {error.strip()}")
-        return grammar
+        compiled = matcher(tokenizer, grammar, limits=limits)
+        compiled.compute_logit_bias()
+        if compiled.is_error():
+            raise ValueError(f"{field} cannot be compiled: {compiled.get_error().strip()}")
+        return compiled
 
     def _llg_tokenizer(self) -> Any:
         with self._lock:
