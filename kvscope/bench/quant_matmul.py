@@ -38,7 +38,7 @@ SHAPES = (
     ("down", 1536, 576, None),
     ("lm_head", 576, 49152, "Q8_0"),
 )
-ROWS = (1, 4, 32, 256)
+ROWS = (1, 4, 8, 16, 32, 256)
 
 
 def best_seconds(run: Callable[[], object], budget: float = 0.3, repeats: int = 5) -> float:

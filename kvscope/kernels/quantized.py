@@ -10,19 +10,30 @@ permutation is a row gather, whatever the type).
 `quantized_linear(x, weight, bias)` is `x W^T + b` without a float copy of `W`:
 
 * few rows (a decode step, up to `DOT_ROWS`): the compiled library's `quant_linear`
-  (`csrc/quant_matmul.cpp`) quantizes each row of `x` to 8 bits a block of 32 and
+  (`csrc/quant_matmul.cpp`) quantizes each row of `x` to 8 bits a group of 32 and
   takes integer dot products with the weight's codes (AVX-512 VNNI or AVX2), reading
   each weight byte once;
-* more rows (prefill): a slab of `SLAB_VALUES` weight values at a time is dequantized
-  to `x`'s dtype (the library's `quant_dequantize`) and multiplied by `F.linear`
-  (oneDNN), the slab still in cache;
+* more rows (prefill): `SLAB_VALUES` weight values at a time are dequantized to `x`'s
+  dtype (the library's `quant_dequantize`, ~0.2 ns a value) and multiplied by
+  `F.linear` (oneDNN);
 * without the library (no compiler, a failed build or check, another device, a type it
   lacks): the same slabs dequantized in torch (`ggml_quants.dequantize_rows`). Each
-  call dequantizes again; no float copy of the weight is kept (that would cost the
-  float model's memory, which is what the quantized file saves).
+  call dequantizes again, 1.2-2.7 ns a value on one thread (~0.3 s a decode step of
+  SmolLM2-135M): slow, but no float copy of the weight is kept, which would cost the
+  float model's memory the quantized file saves.
 
-Thresholds measured on the 2-core AMD EPYC (AVX-512 VNNI/BF16) dev machine, 2
-threads, SmolLM2-135M shapes: see `DOT_ROWS` and `kvscope/bench/quant_matmul.py`.
+Measured with `python -m kvscope.bench.quant_matmul --threads 1` on the 2-core AMD EPYC
+dev machine (AVX-512 VNNI/BF16), SmolLM2-135M's shapes in Q4_1 (lm_head in Q8_0),
+weights cycled through 256 MiB of copies so that they come from memory as in a decode
+step (two threads there were too disturbed by the other tenants to time). At one row
+the dot kernel took 0.073 / 0.048 / 0.215 / 0.099 / 3.69 ms (qkv, o, gate_up, down,
+lm_head) against bfloat16 `small_linear`'s 0.127 / 0.073 / 0.365 / 0.230 / 5.24 and
+`F.linear`'s 0.32 / 0.19 / 0.91 / 0.19 / 12.4: 1.5-2.3x and 2-4x quicker. It is
+compute-bound (~17 GMAC/s, 5-8 GB/s of weight against bfloat16's 9-11), so each added
+row costs nearly a whole row's time: at 8 rows it still won (0.29 against the slabs'
+0.37 ms, qkv; 12.5 against 18.7, lm_head), at 16 the slabs won or tied (0.48 against
+0.57; 26.4 against 26.6), hence `DOT_ROWS`. From 32 rows the slabs take 0.7-1.3x the
+time of bfloat16 `F.linear` (the dequantization and one oneDNN call a slab).
 """
 
 from __future__ import annotations
@@ -48,12 +59,11 @@ __all__ = [
 #: The block types the compiled library multiplies; the rest go through torch.
 COMPILED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 #: Up to this many rows the integer dot-product kernel serves; above, dequantized slabs
-#: and `F.linear`.
+#: and `F.linear` (measured: see the module's docstring).
 DOT_ROWS = 8
-#: Weight values a dequantized slab holds: compiled (in cache), and torch (larger, since
-#: each torch slab costs a dozen op dispatches).
-SLAB_VALUES = 1 << 18
-FALLBACK_SLAB_VALUES = 1 << 22
+#: Weight values a dequantized slab holds (2 MiB in bfloat16): a quarter of this was
+#: slower (more oneDNN calls), four times it no quicker.
+SLAB_VALUES = 1 << 20
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -188,7 +198,7 @@ def slab_linear(
     dequantized to x's dtype: by the compiled library (`compiled`, see `compiled_for`)
     or by torch."""
     if not compiled:
-        return _by_slabs(x, weight, bias, dequantize, slab_values or FALLBACK_SLAB_VALUES)
+        return _by_slabs(x, weight, bias, dequantize, slab_values or SLAB_VALUES)
     op = cpu_kernel().quant_dequantize_op
     assert op is not None, "see compiled_for"
 
