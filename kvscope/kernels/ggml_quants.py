@@ -69,7 +69,7 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def _bits(packed: torch.Tensor) -> torch.Tensor:
     """(..., n) bytes -> (..., 8n) bits, least significant first (a little-endian word)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
 
 
@@ -120,7 +120,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     low = _nibbles(b[..., 48:].unflatten(-1, (4, 32))).unflatten(-1, (2, 32)).flatten(-3, -2)
-    shifts = torch.arange(8, dtype=torch.uint8).unsqueeze(-1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).unsqueeze(-1)
     high = (b[..., 16:48].unsqueeze(-2) >> shifts) & 1  # group g: bit g of each byte
     return _k_quant(b, low | (high << 4))
 
@@ -129,7 +129,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     # Two halves of 128 values: low nibbles of 64 bytes, then their high nibbles; the
     # top two bits from 32 bytes, two bits a group of 32.
     low = _nibbles(b[..., :128].unflatten(-1, (2, 64))).unflatten(-1, (4, 32))
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).unsqueeze(-1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).unsqueeze(-1)
     high = (b[..., 128:192].unflatten(-1, (2, 1, 32)) >> shifts) & 3
     codes = ((low | (high << 4)).to(torch.int8) - 32).flatten(-3).unflatten(-1, (16, 16))
     d = (_half(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
