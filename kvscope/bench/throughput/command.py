@@ -146,9 +146,10 @@ def peer_dir(args: argparse.Namespace, model: str, model_file: Path | None) -> s
 
 
 def kvscope_serve_runs(
-    args: argparse.Namespace, model: str, levels, file_weights: str | None, gguf: bool
+    args: argparse.Namespace, model: str, levels, file_weights: str | None
 ) -> list[ServedRun]:
-    """kvscope serve at every thread count, worker and dtype (in that nesting)."""
+    """kvscope serve at every thread count, worker and dtype (in that nesting);
+    `file_weights`: how the model's GGUF file holds its weights (None: no GGUF file)."""
     return [
         serve_phase(
             args,
@@ -161,7 +162,7 @@ def kvscope_serve_runs(
         )
         for t in ints(args.threads)
         for worker in args.worker.split(",")
-        for dtype in serve_dtypes(args, gguf)
+        for dtype in serve_dtypes(args, gguf=file_weights is not None)
     ]
 
 
@@ -182,7 +183,7 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
         engine_runs.append(anyio.run(partial(engine, timeout=args.level_timeout)))
     served = []
     if "kvscope-serve" in peers:
-        served = kvscope_serve_runs(args, model, levels, file_weights, model_file is not None)
+        served = kvscope_serve_runs(args, model, levels, file_weights)
     paired = []
     if "kvscope-serve" in peers and args.paired_rounds > 0:
         paired = [paired_phase(args, model, levels, t) for t in ints(args.threads)]
@@ -211,7 +212,12 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
 
 
 def vllm_runs(
-    args: argparse.Namespace, peer, levels, missing, file_weights, peers: set[str]
+    args: argparse.Namespace,
+    peer: str | None,
+    levels: list[tuple[int, Workload]],
+    missing: dict[str, str],
+    file_weights: str | None,
+    peers: set[str],
 ) -> tuple[list[ServedRun], str | None]:
     if "vllm" not in peers:
         return [], None
@@ -222,7 +228,12 @@ def vllm_runs(
 
 
 def llama_cpp_runs(
-    args: argparse.Namespace, model_file, levels, missing, file_weights, peers: set[str]
+    args: argparse.Namespace,
+    model_file: Path | None,
+    levels: list[tuple[int, Workload]],
+    missing: dict[str, str],
+    file_weights: str | None,
+    peers: set[str],
 ) -> tuple[list[ServedRun], str | None]:
     if "llama.cpp" not in peers:
         return [], None

@@ -53,13 +53,15 @@ def llama_server_missing(path: str | None) -> str | None:
 
 
 def llama_server_version(path: str) -> str | None:
-    """`llama-server --version`'s version line (it prints to stderr), or None."""
+    """`llama-server --version`'s version (its line `version: 0.5.0-dev (build 1,
+    commit 0c1e570)`, on stderr), or None."""
     try:
         probe = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
     lines = (probe.stderr + probe.stdout).splitlines()
-    return next((line.strip() for line in lines if line.startswith("version")), None)
+    versions = (line.partition(":")[2].strip() for line in lines if line.startswith("version:"))
+    return next(versions, None)
 
 
 def llama_server(
