@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvscope.kernels.quantized import QuantizedWeight
+from kvscope.kernels.quantized import SUPPORTED_TYPES, QuantizedWeight
 
 from .chat import compile_template
 from .errors import ModelLoadError
@@ -34,6 +34,7 @@ from .gguf_tokenizer import gguf_tokenizer
 from .gguf_weights import (
     check_tensors,
     dequantized_weights,
+    hf_name,
     quantized_weights,
     read_weights,
     row_orders,
@@ -102,11 +103,27 @@ class GGUFCheckpoint:
         return quantized_weights(self.tensors, self.row_orders)
 
     def mixed_weights(
-        self, keep_quantized: Callable[[str], bool]
+        self, keep_quantized: Callable[[str], bool], *, progress: bool = False
     ) -> dict[str, torch.Tensor | QuantizedWeight]:
         """Every tensor: a matrix for which `keep_quantized(name)` holds as a
         `QuantizedWeight`, the rest dequantized to float32."""
-        return read_weights(self.tensors, self.row_orders, keep_quantized=keep_quantized)
+        desc = f"reading {self.path.name}"
+        return read_weights(
+            self.tensors, self.row_orders, keep_quantized=keep_quantized, progress=progress,
+            desc=desc,
+        )  # fmt: skip
+
+    def served_weights(self) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """The weights as the model serves the file as it is: each matrix in a GGML
+        block type the quantized kernels multiply kept in its blocks, the rest (float
+        types, block types they do not) dequantized."""
+        in_blocks = {
+            hf_name(t.name)
+            for t in self.tensors
+            if t.tensor_type.name in SUPPORTED_TYPES and t.tensor_type.name not in PLAIN_DTYPES
+        }
+        progress = self.path.stat().st_size >= PROGRESS_BYTES
+        return self.mixed_weights(in_blocks.__contains__, progress=progress)
 
 
 def read_gguf(path: Path) -> GGUFCheckpoint:

@@ -159,12 +159,17 @@ def _load_base(
 
 
 def load_gguf(path: Path, *, device: torch.device, dtype: str | torch.dtype) -> LoadedModel:
-    """A GGUF file (`models/gguf.py`), every tensor dequantized at load."""
+    """A GGUF file (`models/gguf.py`): with `dtype="auto"` on a CPU, its block-quantized
+    matrices stay quantized (the activations in bfloat16); otherwise, and for every
+    other tensor, dequantized at load."""
     gguf = read_gguf(path)
     config = model_config_from_hf(gguf.hf_config, {})
     torch_dtype = resolve_dtype(dtype, gguf.dtype)
-    log.info("loading %s (%s) as %s", path, config.architecture, torch_dtype)
-    model = LlamaModel(config, gguf.weights(), dtype=torch_dtype, device=device)
+    quantized = dtype == "auto" and device.type == "cpu"
+    how = "matrices kept quantized" if quantized else "dequantized"
+    log.info("loading %s (%s) as %s, %s", path, config.architecture, torch_dtype, how)
+    weights = gguf.served_weights() if quantized else gguf.weights()
+    model = LlamaModel(config, weights, dtype=torch_dtype, device=device)
     return LoadedModel(
         name=path.name,
         model=model,
