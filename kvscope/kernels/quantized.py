@@ -51,9 +51,12 @@ __all__ = [
     "COMPILED_TYPES",
     "SUPPORTED_TYPES",
     "QuantizedWeight",
+    "compiled_for",
     "concat_rows",
     "dequantize",
+    "dot_linear",
     "quantized_linear",
+    "slab_linear",
 ]
 
 #: The block types the compiled library multiplies; the rest go through torch.
@@ -182,6 +185,7 @@ def dot_linear(
     op = cpu_kernel().quant_linear_op
     assert op is not None, "see compiled_for"
     out = x.new_empty(x.shape[0], weight.out_features)
+    bias = None if bias is None else bias.contiguous()
     op(out, x.contiguous(), weight.data, weight.qtype, weight.in_features, bias)
     return out
 

@@ -197,6 +197,7 @@ def test_leading_dimensions_are_kept() -> None:
     x = torch.randn(2, 3, 64)
     y = quantized_linear(x, weight)
     assert y.shape == (2, 3, 5)
+    assert quantized_linear(torch.randn(0, 64), weight).shape == (0, 5)
     assert torch.allclose(y[1, 2], quantized_linear(x[1, 2:3], weight)[0], rtol=1e-5, atol=1e-5)
 
 
