@@ -37,6 +37,8 @@ log = logging.getLogger("kvscope.web")
 
 #: The prompt of the printed `curl` line: code, which the bundled model does best.
 EXAMPLE_PROMPT = "def fibonacci(n):"
+#: What the printed curl line asks a model that has a chat template.
+EXAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
 
 #: Where `kvscope serve` runs the forward unless `--worker` says: a model worker
 #: process for one server, so the event loop never shares a GIL with the forward (32
@@ -318,10 +320,16 @@ def run(args: argparse.Namespace) -> int:
             engine = server.engine
             device = engine.device if engine else "?"
             generates = engine.loaded.generates if engine else True
+            chats = bool(engine and engine.loaded.chat_template)
             print(
                 f"kvscope serving {args.model} on {server.url} "
                 f"(device {device}, backend {settings.backend})",
-                *first_steps(server.url, with_key=bool(settings.api_keys), generates=generates),
+                *first_steps(
+                    server.url,
+                    with_key=bool(settings.api_keys),
+                    generates=generates,
+                    chats=chats,
+                ),
                 sep="\n",
                 flush=True,
             )
@@ -354,13 +362,20 @@ def _stop_resource_tracker() -> None:
         stop()
 
 
-def first_steps(url: str, *, with_key: bool, generates: bool = True) -> list[str]:
-    """The lines after the listening line: the dashboard, and a completion to stream
-    (an embedding, for a model that only embeds), both at an address this machine's
-    browser and curl can open. With keys, the curl line reads one from the variable
-    that holds them (`KVSCOPE_API_KEY` unless only `VLLM_API_KEY` is set)."""
+def first_steps(
+    url: str, *, with_key: bool, generates: bool = True, chats: bool = False
+) -> list[str]:
+    """The lines after the listening line: the dashboard, and a chat question (a
+    completion for a model without a chat template, an embedding for a model that
+    only embeds) to stream, both at an address this machine's browser and curl can
+    open. With keys, the curl line reads one from the variable that holds them
+    (`KVSCOPE_API_KEY` unless only `VLLM_API_KEY` is set)."""
     url = _local_url(url)
-    if generates:
+    if generates and chats:
+        message = {"role": "user", "content": EXAMPLE_QUESTION}
+        body = json.dumps({"messages": [message], "max_tokens": 64, "stream": True})
+        curl = f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'"
+    elif generates:
         body = json.dumps({"prompt": EXAMPLE_PROMPT, "max_tokens": 64, "stream": True})
         curl = f"curl -N {url}/v1/completions -H 'Content-Type: application/json'"
     else:

@@ -357,3 +357,9 @@ def test_next_steps_open_a_wildcard_host_on_loopback() -> None:
         dashboard, curl = first_steps(f"http://{listening}:8000", with_key=False)
         assert dashboard == f"  dashboard: http://{local}:8000/"
         assert f"curl -N http://{local}:8000/v1/completions " in curl
+
+
+def test_next_steps_ask_a_chat_model_a_question() -> None:
+    _, curl = first_steps("http://127.0.0.1:8000", with_key=False, chats=True)
+    assert "curl -N http://127.0.0.1:8000/v1/chat/completions " in curl
+    assert "What is the capital of France?" in curl and '"stream": true' in curl
