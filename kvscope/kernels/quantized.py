@@ -148,13 +148,14 @@ def quantized_linear(
         raise ValueError(f"quantized_linear takes float inputs, got {x.dtype}")
     if bias is not None and tuple(bias.shape) != (weight.out_features,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} for {weight.out_features} outputs")
-    flat = x.reshape(-1, weight.in_features)
-    y = _linear_2d(flat, weight, bias)
+    if x.dim() == 2:
+        return _linear_2d(x, weight, bias)
+    y = _linear_2d(x.reshape(-1, weight.in_features), weight, bias)
     return y.view(*x.shape[:-1], weight.out_features)
 
 
 def _linear_2d(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if bias is not None:
+    if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     if not compiled_for(x, weight):
         return slab_linear(x, weight, bias, compiled=False)
@@ -167,10 +168,11 @@ def compiled_for(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Whether the compiled library multiplies `x` by `weight` (starting its build, or
     its load from the cache, on the first call)."""
     kernel = cpu_kernel()
-    kernel.start()
+    if kernel.quant_linear_op is None:
+        kernel.start()  # idempotent, but takes a lock: not on every call once loaded
+        return False
     return (
-        kernel.quant_linear_op is not None
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and weight.data.device.type == "cpu"
         and x.dtype in ACTIVATION_DTYPES
         and weight.qtype in COMPILED_TYPES
