@@ -26,14 +26,15 @@ Measured with `python -m kvscope.bench.quant_matmul --threads 1` on the 2-core A
 dev machine (AVX-512 VNNI/BF16), SmolLM2-135M's shapes in Q4_1 (lm_head in Q8_0),
 weights cycled through 256 MiB of copies so that they come from memory as in a decode
 step (two threads there were too disturbed by the other tenants to time). At one row
-the dot kernel took 0.073 / 0.048 / 0.215 / 0.099 / 3.69 ms (qkv, o, gate_up, down,
-lm_head) against bfloat16 `small_linear`'s 0.127 / 0.073 / 0.365 / 0.230 / 5.24 and
-`F.linear`'s 0.32 / 0.19 / 0.91 / 0.19 / 12.4: 1.5-2.3x and 2-4x quicker. It is
-compute-bound (~17 GMAC/s, 5-8 GB/s of weight against bfloat16's 9-11), so each added
-row costs nearly a whole row's time: at 8 rows it still won (0.29 against the slabs'
-0.37 ms, qkv; 12.5 against 18.7, lm_head), at 16 the slabs won or tied (0.48 against
-0.57; 26.4 against 26.6), hence `DOT_ROWS`. From 32 rows the slabs take 0.7-1.3x the
-time of bfloat16 `F.linear` (the dequantization and one oneDNN call a slab).
+the dot kernel took 0.050 / 0.033 / 0.140 / 0.068 / 2.63 ms (qkv, o, gate_up, down,
+lm_head) against bfloat16 `small_linear`'s 0.062 / 0.059 / 0.249 / 0.178 / 5.23 and
+`F.linear`'s 0.20 / 0.14 / 0.57 / 0.25 / 8.6: 1.2-2.6x and 3.3-4.2x quicker (another
+run: 1.5-2.3x and 2-5x). The kernel itself is compute-bound, ~1.8 ns a group of 32
+(~11 GB/s of Q4_1 a thread, from cache or memory alike); a call costs ~10 us more. Each
+added row costs nearly a row's time, so at 8 rows it still won (qkv 0.20 against the
+slabs' 0.25 ms; lm_head 8.3 against 12.0), at 16 the slabs won or tied (0.31 against
+0.37; 14.5 against 17.4), hence `DOT_ROWS`. From 16 rows the slabs take 0.7-1.6x the
+time of bfloat16 `F.linear` (the dequantization, one oneDNN call a slab).
 """
 
 from __future__ import annotations
