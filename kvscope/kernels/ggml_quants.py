@@ -7,7 +7,9 @@ float32 operations, in the same order, as the `gguf` package's numpy code
 (`gguf/quants.py`, llama.cpp's own), so the two agree exactly; it is vectorised over
 all blocks at once (no loop per block). It is the torch fallback's weight and the
 reference the compiled kernels (`csrc/quant_matmul.cpp`) are held against.
-`random_blocks` makes rows of valid random blocks of any type, for those checks.
+`random_blocks` makes rows of valid random blocks of any type, for those checks, and
+`check_quant_ops` is the check the compiled ops pass when the library loads
+(`cpu_decode`), within `LINEAR_RTOL` for the multiply through 8-bit activations.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from collections.abc import Callable
 import attrs
 import torch
 
-__all__ = ["BLOCKS", "SUPPORTED_TYPES", "Block", "dequantize_rows", "random_blocks"]
+__all__ = [
+    "BLOCKS",
+    "COMPILED_TYPES",
+    "LINEAR_RTOL",
+    "SUPPORTED_TYPES",
+    "Block",
+    "check_quant_ops",
+    "dequantize_rows",
+    "random_blocks",
+]
 
 
 @attrs.frozen
@@ -184,24 +195,29 @@ def random_blocks(
 #: quantized activations against `F.linear` on the dequantized weight; measured
 #: ~0.5e-2 on random blocks and rows, with bfloat16 or float32 inputs.
 LINEAR_RTOL = 2e-2
-#: The types and widths the start-up check multiplies: each compiled type, with a
-#: width of two K-quant blocks.
-_CHECK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+#: The block types the compiled library (`csrc/quant_matmul.cpp`) multiplies.
+COMPILED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+#: What the compiled dequantization may differ by, relative to the largest value: float32
+#: where a compiler fuses the scale and the min, one bfloat16 rounding.
+DEQUANTIZE_RTOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 
 
 def check_quant_ops(linear_op: Callable[..., None], dequantize_op: Callable[..., None]) -> None:
     """Raise unless the compiled `quant_linear` and `quant_dequantize` agree with
     `dequantize_rows` and `F.linear` on random blocks of every type: one row and five
-    (a tile of four and one), float32 and bfloat16, with a bias."""
+    (a tile of four and one), float32 and bfloat16, with a bias; rows of two K-quant
+    blocks."""
     generator = torch.Generator().manual_seed(5)
     n, k = 37, 512
-    for qtype in _CHECK_TYPES:
+    for qtype in sorted(COMPILED_TYPES):
         data = random_blocks(qtype, n, k, generator)
         reference = dequantize_rows(qtype, data, k)
         for dtype in (torch.float32, torch.bfloat16):
             values = torch.empty(n, k, dtype=dtype)
             dequantize_op(values, data, qtype)
-            _require_close(values, reference.to(dtype), 1e-6, f"{qtype} {dtype} dequantize")
+            expected_values = reference.to(dtype)
+            rtol = DEQUANTIZE_RTOL[dtype]
+            _require_close(values, expected_values, rtol, f"{qtype} {dtype} dequantize")
             for rows in (1, 5):
                 x = torch.randn(rows, k, generator=generator).to(dtype)
                 bias = torch.randn(n, generator=generator).to(dtype)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_decode import cpu_kernel
-from .ggml_quants import BLOCKS, SUPPORTED_TYPES, dequantize_rows
+from .ggml_quants import BLOCKS, COMPILED_TYPES, SUPPORTED_TYPES, dequantize_rows
 
 __all__ = [
     "COMPILED_TYPES",
@@ -60,8 +60,6 @@ __all__ = [
     "slab_linear",
 ]
 
-#: The block types the compiled library multiplies; the rest go through torch.
-COMPILED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 #: Up to this many rows the integer dot-product kernel serves; above, dequantized slabs
 #: and `F.linear` (measured: see the module's docstring).
 DOT_ROWS = 8

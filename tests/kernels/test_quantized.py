@@ -20,7 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels.ggml_quants import BLOCKS, LINEAR_RTOL, random_blocks
+from kvscope.kernels.ggml_quants import (
+    BLOCKS,
+    DEQUANTIZE_RTOL,
+    LINEAR_RTOL,
+    check_quant_ops,
+    random_blocks,
+)
 from kvscope.kernels.quantized import (
     COMPILED_TYPES,
     DOT_ROWS,
@@ -113,7 +119,27 @@ def test_compiled_dequantize_gives_the_torch_weight(compiled) -> None:
         weight = random_weight(qtype, out_features, k, seed=4)
         x = torch.randn(3, k)
         torch_slabs = slab_linear(x, weight, None, compiled=False)
-        assert relative_error(slab_linear(x, weight, None, compiled=True), torch_slabs) < 1e-6
+        compiled_slabs = slab_linear(x, weight, None, compiled=True)
+        assert relative_error(compiled_slabs, torch_slabs) <= DEQUANTIZE_RTOL[torch.float32]
+
+
+def test_the_load_check_catches_a_wrong_kernel(cpu_library, compiled) -> None:
+    """The check the library passes at load fails a multiply that forgets the bias and
+    a dequantization that reads the wrong rows (so a broken build stays off), and
+    passes the real ops."""
+    linear_op, dequantize_op = cpu_library.quant_linear_op, cpu_library.quant_dequantize_op
+    check_quant_ops(linear_op, dequantize_op)
+
+    def without_bias(out, x, data, qtype, k, bias):
+        linear_op(out, x, data, qtype, k, None)
+
+    def rows_reversed(out, data, qtype):
+        dequantize_op(out, data.flip(0).contiguous(), qtype)
+
+    with pytest.raises(RuntimeError, match="linear off by"):
+        check_quant_ops(without_bias, dequantize_op)
+    with pytest.raises(RuntimeError, match="dequantize off by"):
+        check_quant_ops(linear_op, rows_reversed)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "BF16"])
