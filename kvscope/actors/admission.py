@@ -78,8 +78,15 @@ class Admission:
     # -- the part that awaits -------------------------------------------------------------
 
     async def prepare(self, spec: RequestSpec) -> tuple[SamplingParams, list[int]]:
-        """The request's sampling parameters and prompt tokens."""
+        """The request's sampling parameters and prompt tokens. A new grammar compiles
+        in a thread (up to the compile deadline of `kernels/guide_limits.py`): the event
+        loop goes on meanwhile; a compiled one comes from the compiler's cache."""
         params = self.sampling_params(spec)
+        if params.guided:
+            try:
+                await anyio.to_thread.run_sync(self.guides.check, params)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
         return params, await self.encode(spec.prompt)
 
     async def encode_text(
@@ -132,7 +139,6 @@ class Admission:
             else:
                 params = spec.params
             params.check_vocab(self.loaded.config.vocab_size)
-            self.guides.check(params)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
         self._check_adapter(params)
