@@ -67,13 +67,15 @@ def test_throughput_smoke(
         "--hf-requests",
         "1",
         "--peers",
-        "transformers,vllm,kvscope-serve",
+        "transformers,vllm,llama.cpp,kvscope-serve",
         "--worker",
         "process,thread",
         "--paired-rounds",
         "2",
         "--vllm-python",
         str(tmp_path / "no-vllm" / "python"),
+        "--llama-server",
+        str(tmp_path / "no-llama.cpp" / "llama-server"),
         "--log-dir",
         str(tmp_path),
         "--json",
@@ -124,6 +126,8 @@ def test_throughput_smoke(
     (hf,) = r["transformers"]
     assert hf["one_at_a_time"]["output_tokens"] == 4 and hf["static_batch"][0]["batch"] == 2
     assert "vllm" in r["missing"] and "not installed" in r["missing"]["vllm"]
+    assert "is not an executable llama-server" in r["missing"]["llama.cpp"]
+    assert r["llama_cpp"] == [] and r["machine"]["llama_cpp"] is None
     head = r["headline"]["by_threads"]["1"]
     for c in ("1", "2"):  # served is compared with served; vLLM is missing here
         level = head["levels"][c]

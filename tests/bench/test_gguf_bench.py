@@ -201,3 +201,19 @@ def test_llama_cpp_peer_smoke(
     printed = capsys.readouterr().out
     assert "kvscope served against llama.cpp's llama-server" in printed
     assert "| llama.cpp " in printed
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--peers", "kvscope-serve,llamacpp"], "--peers: unknown llamacpp"),
+        (["--serve-dtype", "auto,q4"], "--serve-dtype: unknown q4"),
+        (["--peer-model", "{tmp}"], "no config.json there"),
+    ],
+)
+def test_throughput_refuses_bad_arguments_by_name(
+    extra: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "throughput", *[a.format(tmp=tmp_path) for a in extra]]
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err

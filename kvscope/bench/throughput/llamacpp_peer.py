@@ -87,7 +87,8 @@ def llama_cpp_phase(
     path = args.llama_server or os.environ.get(LLAMA_SERVER_ENV)
     why = llama_server_missing(path)
     if why is None and model_file is None:
-        why = f"llama.cpp serves a GGUF file (--model FILE.gguf); {args.model} is none"
+        model = args.model or "the reference model"
+        why = f"llama.cpp serves a GGUF file (--model FILE.gguf); {model} is none"
     version = llama_server_version(path) if why is None and path else None
     if why is None and version is None:
         why = f"{path} --version does not answer as llama-server does"
