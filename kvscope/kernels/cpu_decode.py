@@ -31,12 +31,14 @@ the own rows, 3.8 for gather + SDPA a chunk at a time, 5.0 for the kernel.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import itertools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -127,7 +129,9 @@ def library_path(cxx: str) -> Path:
         if source.is_file():
             key.update(source.read_bytes())
     # SOURCES too: a build of fewer of csrc's files must not pass for one of all of them
-    for part in (torch.__version__, cxx, " ".join(FLAGS), _cpu_flags(), *map(str, SOURCES)):
+    # (by name: the same sources installed elsewhere, another venv's, share the build)
+    names = (source.name for source in SOURCES)
+    for part in (torch.__version__, cxx, " ".join(FLAGS), _cpu_flags(), *names):
         key.update(part.encode())
     key.update(sys.version.encode())
     return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
@@ -140,6 +144,8 @@ class CpuKernel:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._started = False
+        #: The compiler while it runs, stopped if this process exits first.
+        self._build_process: subprocess.Popen[str] | None = None
         self.op: Callable[..., None] | None = None
         self.prefill_op: Callable[..., None] | None = None
         #: The fused elementwise steps (`csrc/elementwise.cpp`, used by `kernels/fused.py`).
@@ -188,6 +194,7 @@ class CpuKernel:
         thread = threading.Thread(
             target=self._build, args=(cxx, path), name="kvscope-kernel-build", daemon=True
         )
+        atexit.register(self._stop_build)
         thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -203,12 +210,20 @@ class CpuKernel:
             # Build under a private name, then rename: concurrent builds never see half a file.
             fd, tmp = tempfile.mkstemp(prefix=BUILDING_PREFIX, suffix=".so", dir=path.parent)
             os.close(fd)
-            result = subprocess.run(
-                build_command(cxx, SOURCES, Path(tmp)), capture_output=True, text=True
-            )
-            if result.returncode != 0:
+            # Its own process group, so that `_stop_build` stops the compiler's children too.
+            with subprocess.Popen(
+                build_command(cxx, SOURCES, Path(tmp)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            ) as build:
+                self._build_process = build
+                _, stderr = build.communicate()
+            self._build_process = None
+            if build.returncode != 0:
                 os.unlink(tmp)
-                tail = " | ".join(result.stderr.strip().splitlines()[-3:])
+                tail = " | ".join(stderr.strip().splitlines()[-3:])
                 self._give_up(f"the build failed ({tail})")
                 return
             os.replace(tmp, path)
@@ -217,6 +232,15 @@ class CpuKernel:
             return
         prune_builds(path)
         self._load(path, built_in=time.perf_counter() - started)
+
+    def _stop_build(self) -> None:
+        """(at exit) Stop a build still running: it would outlive this process, and its
+        private file stays for `prune_builds` to find abandoned."""
+        build = self._build_process
+        if build is not None and build.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(build.pid, signal.SIGKILL)
+            build.wait()
 
     def _load(self, path: Path, built_in: float | None = None) -> None:
         try:

@@ -392,6 +392,30 @@ def test_the_build_runs_in_the_background_then_takes_over(tmp_path: Path) -> Non
     assert "loaded from" in second.stderr and "building" not in second.stderr
 
 
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler here")
+def test_a_process_that_exits_mid_build_leaves_no_compiler_running(tmp_path: Path) -> None:
+    """`kvscope serve` stopped in its first minute must not leave g++ behind: the build
+    it started is stopped with it (its whole process group)."""
+    result = _run_engine_script(
+        {"KVSCOPE_KERNEL_CACHE": str(tmp_path)},
+        """
+        await tokens(engine)
+        assert not cpu_kernel().ready, "the build should still be running"
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "building the CPU paged-attention kernel in the background" in result.stderr
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(tmp_path).encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:
+            pass  # it ended since the listing
+    assert not left, f"processes still building into {tmp_path}: {left}"
+    assert not list(tmp_path.glob("paged_decode-*.so"))
+
+
 def test_old_builds_are_pruned_and_the_current_one_kept(tmp_path: Path) -> None:
     current = tmp_path / "paged_decode-current.so"
     current.write_bytes(b"in use")
