@@ -5,7 +5,8 @@ One forward runs a mixed batch (decode tokens and prefill chunks, laid out flat 
 that sample into float32 logits. The norms are plain tensors; q/k/v and gate/up are
 fused into one matrix each so a layer is four matrix multiplies, each a
 `kernels.linear.Linear` in the layout that is fastest on the device; `check_weights`
-validates a checkpoint's tensors against the config before any is copied. A linear
+(`models/weights.py`) validates a checkpoint's tensors against the config before any
+is copied. A linear
 weight may come quantized (`kernels.quantized.QuantizedWeight`, from a GGUF file): it
 stays so, fused with its partners where they share its block type, and dequantized
 where they do not (the embedding table too, which is read a row at a time).
@@ -40,10 +41,10 @@ from kvscope.kernels.linear import Linear
 from kvscope.kernels.quantized import QuantizedWeight, concat_rows, dequantize
 
 from .config import ModelConfig
-from .errors import ModelLoadError
 from .lora import LoraAdapter, LoraRows
 from .rope import apply_rotary, rotary_tables
 from .slicing import LinearSlicer
+from .weights import Weight, check_weights
 
 
 class StepAborted(Exception):
@@ -76,57 +77,6 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear  # gate and up fused
     down: Linear
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the decoder reads, under Hugging Face's names, with its shape."""
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-        for name, rows in (("q", q), ("k", kv), ("v", kv)):
-            shapes[attn + f"{name}_proj.weight"] = (rows, c.hidden_size)
-            if c.attention_bias:
-                shapes[attn + f"{name}_proj.bias"] = (rows,)
-        shapes[attn + "o_proj.weight"] = (c.hidden_size, q)
-        if c.qk_norm:
-            shapes[attn + "q_norm.weight"] = (c.head_dim,)
-            shapes[attn + "k_norm.weight"] = (c.head_dim,)
-        shapes[mlp + "gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[mlp + "up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[mlp + "down_proj.weight"] = (c.hidden_size, c.intermediate_size)
-    return shapes
-
-
-Weight = torch.Tensor | QuantizedWeight
-
-
-def check_weights(config: ModelConfig, weights: Mapping[str, Weight]) -> list[str]:
-    """Raise `ModelLoadError` naming missing or misshapen tensors; return the names of
-    tensors the decoder does not use."""
-    expected = expected_shapes(config)
-    missing = [name for name in expected if name not in weights]
-    if missing:
-        shown = ", ".join(missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
-        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-    for name, shape in expected.items():
-        actual = tuple(weights[name].shape)
-        if actual != shape:
-            raise ModelLoadError(
-                f"tensor {name!r} has shape {actual}, but config.json implies {shape}"
-            )
-    return [name for name in weights if name not in expected and name != "lm_head.weight"]
 
 
 class LlamaModel:

@@ -36,11 +36,12 @@ from .chat import (
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf import gguf_path, read_gguf
-from .llama import LlamaModel, check_weights
+from .llama import LlamaModel
 from .lora import read_adapters
 from .rope import SUPPORTED_ROPE_TYPES, rope_type
 from .sentence_pooling import sentence_transformers_pooling
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from .weights import check_weights
 
 log = logging.getLogger(__name__)
 

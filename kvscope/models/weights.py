@@ -1,0 +1,67 @@
+"""A checkpoint's tensors against its config: the name and shape of each tensor the
+Llama-family decoder (`models/llama.py`) takes, checked before any is copied. A
+tensor may be a plain tensor or a `QuantizedWeight` (its logical shape counts)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvscope.kernels.quantized import QuantizedWeight
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+
+__all__ = ["Weight", "check_weights", "expected_shapes"]
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, under Hugging Face's names, with its shape."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[attn + f"{name}_proj.weight"] = (rows, c.hidden_size)
+            if c.attention_bias:
+                shapes[attn + f"{name}_proj.bias"] = (rows,)
+        shapes[attn + "o_proj.weight"] = (c.hidden_size, q)
+        if c.qk_norm:
+            shapes[attn + "q_norm.weight"] = (c.head_dim,)
+            shapes[attn + "k_norm.weight"] = (c.head_dim,)
+        shapes[mlp + "gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[mlp + "up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[mlp + "down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    return shapes
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, Weight]) -> list[str]:
+    """Raise `ModelLoadError` naming missing or misshapen tensors; return the names of
+    tensors the decoder does not use."""
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    for name, shape in expected.items():
+        actual = tuple(weights[name].shape)
+        if actual != shape:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {actual}, but config.json implies {shape}"
+            )
+    return [name for name in weights if name not in expected and name != "lm_head.weight"]
