@@ -112,6 +112,17 @@ def running_server(
 
 
 @pytest.fixture
+def client(live: Live) -> Iterator[Any]:
+    """The `openai` client on `live`'s OpenAI routes."""
+    import openai
+
+    with openai.OpenAI(
+        base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=30
+    ) as opened:
+        yield opened
+
+
+@pytest.fixture
 def live(backend: str, tmp_path: Path) -> Iterator[Live]:
     with running_server(backend, tmp_path) as running:
         yield running

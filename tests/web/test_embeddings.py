@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,6 @@ import pytest
 from .conftest import Live, serve_cli, wait_clean, wait_for, wait_status
 
 HIDDEN = 64  # the tiny-random model's hidden size
-
-
-@pytest.fixture
-def client(live: Live) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=live.url + "/v1", api_key="-", max_retries=0) as client:
-        yield client
 
 
 def norm(vector: list[float]) -> float:

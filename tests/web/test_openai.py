@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 
 from .conftest import LONG, Live, wait_clean, wait_status
-
-
-@pytest.fixture
-def client(live: Live) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=30
-    ) as opened:
-        yield opened
 
 
 def test_models_and_completions(live: Live, client: openai.OpenAI) -> None:

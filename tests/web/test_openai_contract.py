@@ -19,14 +19,6 @@ MODEL = "tiny-random"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture
-def client(live: Live) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=30
-    ) as opened:
-        yield opened
-
-
 def refused(
     call: Any, param: str, status: type[openai.APIStatusError] = openai.BadRequestError
 ) -> dict:

@@ -25,14 +25,6 @@ LETTERS = {"allowed_token_ids": list(range(ord("a"), ord("z") + 1)), "ignore_eos
 
 
 @pytest.fixture
-def client(live: Live) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=30
-    ) as opened:
-        yield opened
-
-
-@pytest.fixture
 def vllm_cli(backend: str) -> Iterator[tuple[openai.OpenAI, subprocess.Popen[str]]]:
     """`kvscope serve` on the bundled checkpoint's path as `vllm serve` is run in vLLM's
     tests: another served name, and `--enable-prompt-tokens-details`."""
