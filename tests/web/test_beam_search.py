@@ -84,23 +84,8 @@ def test_what_it_cannot_apply_is_a_400_naming_the_field(
     assert "use_beam_search" in answer.json()["error"]["message"]
 
 
-def cancellations(live: Live) -> float:
-    with live.client() as http:
-        text = http.get("/metrics").text
-    line = next(
-        (
-            x
-            for x in text.splitlines()
-            if x.startswith('kvscope_cancellations_total{reason="scope"}')
-        ),
-        None,
-    )
-    return float(line.split()[-1]) if line else 0.0
-
-
 def test_a_client_that_goes_away_cancels_the_search(served: tuple[Live, openai.OpenAI]) -> None:
     live, _ = served
-    before = cancellations(live)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "n": 4, **SEARCH}).encode()
     host, port = live.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -112,4 +97,7 @@ def test_a_client_that_goes_away_cancels_the_search(served: tuple[Live, openai.O
         wait_for(lambda: live.stats()["live_requests"], what="the search's requests")
     stats = wait_clean(live)
     assert stats["running"] == 0
-    assert cancellations(live) > before  # a step's request was cancelled, not finished
+    # The search stopped: the whole of it is 4 beams x 400 steps of requests. (Whether
+    # a step's requests are cancelled depends on where the disconnect falls: between
+    # two steps none is live, and no step comes after it.)
+    assert stats["finished"] < 400
