@@ -1,10 +1,10 @@
 """kvscope: an LLM inference server and library whose requests cancel in milliseconds
 and free their KV cache at once, leaving every other request untouched."""
 
-from kvscope.actors.beam_search import BeamSearchParams
 from kvscope.actors.engine import Engine
 from kvscope.actors.handles import Job, MergedStream, Request, merge_streams
 from kvscope.actors.messages import CancelReport, Completion, Delta, RequestInfo
+from kvscope.beam_search import BeamSearchParams
 from kvscope.config import EngineConfig
 from kvscope.errors import (
     EngineClosed,

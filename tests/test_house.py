@@ -100,7 +100,6 @@ LONG_MODULES = {
 
 #: Functions over MAX_FUNCTION_LINES: "path::qualified name" -> body lines at most.
 LONG_FUNCTIONS = {
-    "actors/beam_search.py::beam_search": 71,  # one round apart from the loop
     "bench/throughput/arguments.py::add_arguments": 69,  # one group a helper
     "kernels/attention.py::paged_attention": 75,  # prefill / decode paths apart
     "web/metrics.py::_EngineGauges.collect": 70,  # one helper a family group
@@ -120,8 +119,6 @@ CYCLES: list[frozenset[str]] = [
             "kvscope.kernels.quantized",
         }
     ),
-    # Beam search is a client of the Engine API: above the engine (kvscope.beam_search).
-    frozenset({"kvscope.actors.beam_search", "kvscope.actors.engine"}),
 ]
 
 #: Imports that reach up a layer: (importer, imported).
@@ -148,11 +145,8 @@ WEB_INTERNAL_IMPORTS = {
     # readiness (`waiting_for`) and RequestState: a public statistics object.
     "web/metrics.py": 2,
     "web/observability.py": 1,
-    # beam search moves above the engine, a client (kvscope.beam_search).
-    "web/openai_run.py": 1,
-    # MAX_BEAM_WIDTH (beam search), GENERATION_DEFAULTED (a public name for the
-    # generation-config defaults).
-    "web/openai_schemas.py": 2,
+    # GENERATION_DEFAULTED: a public name for the generation-config defaults.
+    "web/openai_schemas.py": 1,
     "web/responses_schemas.py": 1,
     # `kvscope serve --replicas` dispatched from above web (kvscope.serve).
     "web/serve.py": 1,

@@ -32,7 +32,6 @@ from kvscope.params import SamplingParams
 
 from .admission import Admission
 from .audit import AuditLog
-from .beam_search import BeamSearchParams, beam_search
 from .handles import DeltaStream, Job, Request
 from .lifecycle import Actors, Ledger, run_request
 from .messages import CancelReport, Completion, RequestInfo, RequestStatus, StepStatistics
@@ -198,11 +197,10 @@ class Engine:
         state = await self._start(RequestSpec.build(prompt, params, {**options, "samples": n}))
         return [Job(state), *(Job(child) for child in state.children)]
 
-    async def beam_search(self, prompt: Prompt, params: BeamSearchParams) -> list[Completion]:
-        """vLLM's beam search (`beam_search.py`): the `params.beam_width` best beams,
-        best first, each found by requests of one token. Leaving the call cancels the
-        step's requests."""
-        return await beam_search(self, await self.admission.encode(prompt), params)
+    async def encode(self, prompt: Prompt) -> list[int]:
+        """`prompt` (text or token ids) as the token ids a request of it would run,
+        checked as a request's prompt is (`InvalidRequest` if it cannot run)."""
+        return await self.admission.encode(prompt)
 
     async def _start(self, spec: RequestSpec) -> RequestState:
         if not self._accepting or self._tg is None:

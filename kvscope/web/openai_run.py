@@ -21,7 +21,8 @@ from typing import Any
 import anyio
 
 from kvscope import BeamSearchParams, Completion, Engine, Job
-from kvscope.actors.beam_search import gather
+from kvscope.beam_search import beam_search as search_beams
+from kvscope.beam_search import gather
 from kvscope.params import GUIDES, SamplingParams, field_of
 
 from .auth import current_owner
@@ -135,7 +136,7 @@ async def beam_search(
             owner=current_owner(),
             priority=body.priority,
         )
-        return functools.partial(ctx.engine.beam_search, ids, params)
+        return functools.partial(search_beams, ctx.engine, ids, params)
 
     found = await gather([search(ids, max_tokens) for ids, max_tokens in plans])
     return [beam for beams in found for beam in beams]

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope import InvalidRequest
-from kvscope.actors.beam_search import MAX_BEAM_WIDTH
+from kvscope.beam_search import MAX_BEAM_WIDTH
 from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 

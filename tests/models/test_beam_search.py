@@ -1,4 +1,4 @@
-"""Beam search (`Engine.beam_search`, vLLM's algorithm) against `transformers`.
+"""Beam search (`kvscope.beam_search`, vLLM's algorithm) against `transformers`.
 
 Without an EOS the search is the classic one, so its beams are those of
 `generate(num_beams=...)` and each beam's cumulative log-probability is the sum of its
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvscope import BeamSearchParams, InvalidRequest
+from kvscope.beam_search import beam_search
 
 from .test_parity import hf_logits, prompts
 
@@ -52,7 +53,7 @@ async def test_beams_are_those_of_transformers(checkpoints: Any, open_engine: An
     ids = prompts(directory)[0]
     params = BeamSearchParams(beam_width=WIDTH, max_tokens=NEW_TOKENS, ignore_eos=True)
     async with open_engine(str(directory), dtype="float32", block_size=4) as engine:
-        beams = await engine.beam_search(ids, params)
+        beams = await beam_search(engine, ids, params)
     assert [list(b.token_ids) for b in beams] == hf_beams(hf, ids, WIDTH, NEW_TOKENS)
     for beam in beams:
         assert beam.finish_reason == "length" and beam.prompt_tokens == len(ids)
@@ -87,7 +88,7 @@ async def test_an_eos_ends_its_beam(
     free = BeamSearchParams(beam_width=WIDTH, max_tokens=NEW_TOKENS, ignore_eos=True)
     async with open_engine(str(directory), dtype="float32") as engine:
         for ids in prompts(directory):
-            first, second = (await engine.beam_search(ids, free))[0].token_ids[:2]
+            first, second = (await beam_search(engine, ids, free))[0].token_ids[:2]
             if first != second:
                 break
     model = with_eos(directory, tmp_path / "eos", second)
@@ -95,7 +96,7 @@ async def test_an_eos_ends_its_beam(
         beam_width=WIDTH, max_tokens=NEW_TOKENS, include_stop_str_in_output=keep_eos
     )
     async with open_engine(str(model), dtype="float32") as engine:
-        beams = await engine.beam_search(ids, params)
+        beams = await beam_search(engine, ids, params)
         text = engine.tokenizer.decode([first])
     ended = [first, second] if keep_eos else [first]
     assert any(
@@ -110,7 +111,7 @@ async def test_leaving_the_search_cancels_its_requests(open_engine: Any) -> None
         params = BeamSearchParams(beam_width=2, max_tokens=200, ignore_eos=True)
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(engine.beam_search, "hello there", params)
+                tg.start_soon(beam_search, engine, "hello there", params)
                 with anyio.fail_after(30):
                     while not engine.list_requests():
                         await anyio.sleep(0.001)
@@ -126,7 +127,7 @@ async def test_a_delete_ends_the_search_with_its_beams_so_far(open_engine: Any) 
         found: list[Any] = []
 
         async def search() -> None:
-            found.extend(await engine.beam_search("hello there", params))
+            found.extend(await beam_search(engine, "hello there", params))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(search)

@@ -1,4 +1,5 @@
-"""Beam search, as vLLM serves it (`use_beam_search`, `LLM.beam_search`).
+"""Beam search, as vLLM serves it (`use_beam_search`, `LLM.beam_search`): a client of
+the Engine API, as `merge_streams` is, above the engine (it calls `Engine.generate`).
 
 Like vLLM's, the search is built on requests of one token each: every step runs each
 live beam (the prompt and the beam's tokens so far) as a request of `max_tokens=1` with
@@ -28,13 +29,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import attrs
 
+from kvscope.actors.messages import Completion
+from kvscope.actors.spec import Prompt
 from kvscope.errors import InvalidRequest
 from kvscope.params import MAX_LOGPROBS
 
-from .messages import Completion
-
 if TYPE_CHECKING:
-    from .engine import Engine
+    from kvscope.actors.engine import Engine
 
 T = TypeVar("T")
 
@@ -74,71 +75,41 @@ class _Beam:
     finish_reason: str = "length"
 
 
-async def beam_search(
-    engine: Engine, prompt: list[int], params: BeamSearchParams
-) -> list[Completion]:
-    """The `beam_width` best beams for `prompt` (token ids), best first, each as a
-    `Completion` whose id is the search's first request's; a step's request that fails
-    ends the search with one `Completion` of finish reason `error`."""
-    if len(prompt) + params.max_tokens > engine.max_model_len:
+async def beam_search(engine: Engine, prompt: Prompt, params: BeamSearchParams) -> list[Completion]:
+    """The `beam_width` best beams for `prompt` (text or token ids), best first, each as
+    a `Completion` whose id is the search's first request's; a step's request that fails
+    ends the search with one `Completion` of finish reason `error`. Leaving the call
+    cancels the step's requests."""
+    ids = await engine.encode(prompt)
+    if len(ids) + params.max_tokens > engine.max_model_len:
         raise InvalidRequest(
-            f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: more "
+            f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: more "
             f"than this model's context ({engine.max_model_len})"
         )
     eos = set(() if params.ignore_eos else engine.tokenizer.eos_token_ids)
-    width = params.beam_width
     options: dict[str, Any] = dict(
         max_tokens=1,
-        logprobs=2 * width,
+        logprobs=2 * params.beam_width,
         temperature=params.temperature,
         ignore_eos=True,  # the search decides what an EOS means
         lora=params.lora,
         owner=params.owner,
         priority=params.priority,
     )
-    live, finished = [_Beam((), 0.0)], []
+    live, finished = [_Beam((), 0.0)], list[_Beam]()
     first_id = ""
     for _ in range(params.max_tokens):
-        done = await _step(engine, prompt, live, options)
+        done = await _step(engine, ids, live, options)
         first_id = first_id or done[0].id
         if failed := next((out for out in done if out.finish_reason == "error"), None):
-            return [
-                Completion(
-                    id=first_id,
-                    text="",
-                    token_ids=(),
-                    finish_reason="error",
-                    prompt_tokens=len(prompt),
-                    error=failed.error,
-                )
-            ]
+            return [_failure(first_id, len(ids), failed)]
         if any(out.finish_reason == "cancelled" for out in done):
             live = [attrs.evolve(beam, finish_reason="cancelled") for beam in live]
             break
-        candidates: list[tuple[float, int, _Beam]] = []
-        for beam, out in zip(live, done, strict=True):
-            assert out.logprobs
-            step = out.logprobs[0]
-            scores = dict(step.top)
-            scores.setdefault(out.token_ids[0], step.logprob)  # the token drawn
-            for token, logprob in scores.items():
-                if token in eos:
-                    kept = (token,) if params.include_stop_str_in_output else ()
-                    finished.append(_Beam(beam.tokens + kept, beam.logprob + logprob, "stop"))
-                else:
-                    candidates.append((beam.logprob + logprob, token, beam))
-        candidates.sort(key=lambda c: -c[0])
-        live = [_Beam(beam.tokens + (token,), score) for score, token, beam in candidates[:width]]
+        live = _extend(live, done, eos, params, finished)
         if not live:
             break
-
-    def rank(beam: _Beam) -> float:
-        length = len(prompt) + len(beam.tokens)
-        if beam.tokens and beam.tokens[-1] in eos:
-            length -= 1  # vLLM's rule: a kept EOS does not count
-        return beam.logprob / (max(length, 1) ** params.length_penalty)
-
-    best = sorted(finished + live, key=rank, reverse=True)[:width]
+    best = _best(finished + live, len(ids), eos, params.length_penalty)[: params.beam_width]
     decode = engine.tokenizer.decode
     return [
         Completion(
@@ -146,11 +117,62 @@ async def beam_search(
             text=decode(_text_tokens(beam, eos), skip_special_tokens=params.skip_special_tokens),
             token_ids=beam.tokens,
             finish_reason=beam.finish_reason,
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(ids),
             cumulative_logprob=beam.logprob,
         )
         for beam in best
     ]
+
+
+def _failure(first_id: str, prompt_tokens: int, failed: Completion) -> Completion:
+    """The search's one result when a step's request failed."""
+    return Completion(
+        id=first_id,
+        text="",
+        token_ids=(),
+        finish_reason="error",
+        prompt_tokens=prompt_tokens,
+        error=failed.error,
+    )
+
+
+def _extend(
+    live: list[_Beam],
+    done: list[Completion],
+    eos: set[int],
+    params: BeamSearchParams,
+    finished: list[_Beam],
+) -> list[_Beam]:
+    """One round: each live beam extended by each of its candidate tokens; a candidate
+    that is an EOS goes to `finished`, the `beam_width` best of the rest are returned."""
+    candidates: list[tuple[float, int, _Beam]] = []
+    for beam, out in zip(live, done, strict=True):
+        assert out.logprobs
+        step = out.logprobs[0]
+        scores = dict(step.top)
+        scores.setdefault(out.token_ids[0], step.logprob)  # the token drawn
+        for token, logprob in scores.items():
+            if token in eos:
+                kept = (token,) if params.include_stop_str_in_output else ()
+                finished.append(_Beam(beam.tokens + kept, beam.logprob + logprob, "stop"))
+            else:
+                candidates.append((beam.logprob + logprob, token, beam))
+    candidates.sort(key=lambda c: -c[0])
+    width = params.beam_width
+    return [_Beam(beam.tokens + (token,), score) for score, token, beam in candidates[:width]]
+
+
+def _best(beams: list[_Beam], prompt_tokens: int, eos: set[int], penalty: float) -> list[_Beam]:
+    """`beams` best first, by cumulative log-probability / length ** length_penalty (the
+    length counts the prompt, and not a final EOS), as vLLM ranks them."""
+
+    def rank(beam: _Beam) -> float:
+        length = prompt_tokens + len(beam.tokens)
+        if beam.tokens and beam.tokens[-1] in eos:
+            length -= 1  # vLLM's rule: a kept EOS does not count
+        return beam.logprob / (max(length, 1) ** penalty)
+
+    return sorted(beams, key=rank, reverse=True)
 
 
 def _text_tokens(beam: _Beam, eos: set[int]) -> list[int]:
