@@ -2,7 +2,7 @@
 
 This module owns the dispatch to the subcommands and `generate`; the engine options
 they share come from `kvscope.options` (derived from `EngineConfig`), `serve` lives
-in `kvscope.web.serve` and `bench` in `kvscope.bench.cli`.
+in `kvscope.serve` and `bench` in `kvscope.bench.cli`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvscope", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from kvscope.web import serve
+    from kvscope import serve
 
     serve.add_arguments(commands.add_parser("serve", help="serve the HTTP API (the main job)"))
     add_generate_arguments(

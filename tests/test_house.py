@@ -95,7 +95,6 @@ LONG_MODULES = {
     "replicas/asgi.py": 415,  # the replica's ASGI app apart from its lifecycle
     "web/metrics.py": 376,  # the families' declarations apart from collecting them
     "web/responses_format.py": 487,  # output items apart from the stream's events
-    "web/serve.py": 402,  # the command's flags apart from running one server
 }
 
 #: Functions over MAX_FUNCTION_LINES: "path::qualified name" -> body lines at most.
@@ -103,7 +102,6 @@ LONG_FUNCTIONS = {
     "bench/throughput/arguments.py::add_arguments": 69,  # one group a helper
     "kernels/attention.py::paged_attention": 75,  # prefill / decode paths apart
     "web/metrics.py::_EngineGauges.collect": 70,  # one helper a family group
-    "web/serve.py::add_arguments": 78,  # one group a helper
 }
 
 #: Import circles: each a set of modules that import one another.
@@ -123,8 +121,6 @@ CYCLES: list[frozenset[str]] = [
 
 #: Imports that reach up a layer: (importer, imported).
 UPWARD_IMPORTS = {
-    # `kvscope serve --replicas` dispatched from above web and replicas.
-    ("kvscope.web.serve", "kvscope.replicas.cli"),
     # The cache's tensor layout is the kernels' choice: `block_major_cache` to cache/.
     ("kvscope.cache.kv_cache", "kvscope.kernels.attention"),
     # RoPE tables are a kernel input: the rope helpers to kernels/.
@@ -148,8 +144,6 @@ WEB_INTERNAL_IMPORTS = {
     # GENERATION_DEFAULTED: a public name for the generation-config defaults.
     "web/openai_schemas.py": 1,
     "web/responses_schemas.py": 1,
-    # `kvscope serve --replicas` dispatched from above web (kvscope.serve).
-    "web/serve.py": 1,
 }
 
 

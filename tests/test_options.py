@@ -10,9 +10,9 @@ import argparse
 import attrs
 import pytest
 
+from kvscope import serve
 from kvscope.config import EngineConfig
 from kvscope.options import add_engine_arguments, engine_kwargs, field_help
-from kvscope.web import serve
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -1,4 +1,6 @@
-"""`kvscope serve`: parse the server's arguments and run `Server` until it is stopped.
+"""One server for `kvscope serve` (whose flags and choice of one server or replicas
+are `kvscope.serve`'s): the server's flags, the `ServerSettings` they make, and
+`Server` run until it is stopped.
 
 With no flags it serves the bundled model on 127.0.0.1:8000 on asyncio. Keys come
 from `--api-key` (repeatable), `KVSCOPE_API_KEY` or vLLM's `VLLM_API_KEY`
@@ -18,12 +20,12 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import attrs
 
 from kvscope.config import EngineConfig
-from kvscope.options import DEFAULT_MODEL, add_engine_arguments, engine_kwargs
 from kvscope.scheduling import LOOP_PRIORITY
 
 from . import lora_admin
@@ -32,6 +34,7 @@ from .reasoning import PARSERS as REASONING_PARSERS
 from .server import Server
 from .settings import STATS_LOG_INTERVAL, ServerSettings
 from .tool_parsers import PARSERS
+from .vllm_flags import names
 
 log = logging.getLogger("kvscope.web")
 
@@ -40,27 +43,18 @@ EXAMPLE_PROMPT = "def fibonacci(n):"
 #: What the printed curl line asks a model that has a chat template.
 EXAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
 
-#: Where `kvscope serve` runs the forward unless `--worker` says: a model worker
-#: process for one server, so the event loop never shares a GIL with the forward (32
-#: streams, reference model, served: 266-269 tok/s in every run, where a thread gave
-#: 220-230 in three runs and 270 in one; docs/benchmarks, sessions 7-9); a thread in
-#: each Ray Serve replica, which is a process of its own already. (`Engine.open`'s
-#: default stays "thread", for embedding.)
+#: Where one server runs the forward unless `--worker` says: a model worker process,
+#: so the event loop never shares a GIL with the forward (32 streams, reference model,
+#: served: 266-269 tok/s in every run, where a thread gave 220-230 in three runs and
+#: 270 in one; docs/benchmarks, sessions 7-9). (`Engine.open`'s default stays
+#: "thread", for embedding; a replica's: `kvscope.serve`.)
 SERVED_WORKER = "process"
-REPLICA_WORKER = "thread"
-#: The cores a served model worker process keeps to (`scheduling.model_cores`); every
-#: core for a replica's, since the replicas on one machine would each take the same ones.
+#: The cores a served model worker process keeps to (`scheduling.model_cores`).
 SERVED_WORKER_CORES = attrs.fields(EngineConfig).worker_cores.default
-REPLICA_WORKER_CORES = "all"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model_tag",
-        nargs="?",
-        metavar="MODEL",
-        help="the model, as `vllm serve MODEL` takes it (or --model; bundled unless given)",
-    )
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that make `ServerSettings` (with vLLM's: `vllm_flags`)."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -106,128 +100,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the event loop thread's real-time (SCHED_FIFO) priority, 1-99, where the OS "
         "allows it (CAP_SYS_NICE or RLIMIT_RTPRIO); 0: none",
     )
-    replicas = parser.add_argument_group("replicas on Ray Serve (pip install 'kvscope[ray]')")
-    replicas.add_argument(
-        "--replicas", type=int, default=0, help="serve N engine replicas through Ray Serve"
-    )
-    replicas.add_argument("--ray-address", default=None, help="join this Ray cluster")
-    replicas.add_argument("--ray-cpus", type=int, default=None, help="CPUs of a local Ray")
-    replicas.add_argument("--cpus-per-replica", type=float, default=1.0)
-    replicas.add_argument(
-        "--request-timeout", type=float, default=None, help="Ray Serve's end-to-end timeout (s)"
-    )
-    replicas.add_argument(
-        "--prefix-routing",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send prompts that share a prefix to one replica where load allows",
-    )
-    add_vllm_arguments(parser)
-    add_engine_arguments(
-        parser,
-        defaults={
-            "worker": (None, f"{SERVED_WORKER}; {REPLICA_WORKER} with --replicas"),
-            "worker_cores": (
-                None,
-                f"{SERVED_WORKER_CORES}; {REPLICA_WORKER_CORES} with --replicas",
-            ),
-        },
-    )
-
-
-#: vLLM's flags that ask for what kvscope always does (or, for remote code, never
-#: needs): accepted, so that a `vllm serve` command line runs as it is.
-ALWAYS = {
-    "--enable-auto-tool-choice": "tool_choice auto always reads calls (--tool-call-parser)",
-    "--trust-remote-code": "kvscope runs its own model classes, never a checkpoint's code",
-    "--enforce-eager": "the forward always runs eagerly",
-    "--enable-chunked-prefill": "long prompts are always computed in chunks beside decodes",
-    "--enable-lora": "the adapters --lora-modules names are served",
-}
-
-
-def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
-    """vLLM's `serve` options that kvscope honours, spelled as vLLM spells them."""
-    group = parser.add_argument_group("as vllm serve takes them")
-    group.add_argument(
-        "--allowed-origins",
-        nargs="+",
-        default=[],
-        metavar="ORIGIN",
-        help="browser origins that may call (CORS): origins, or a JSON list; * for any "
-        "(default: none, where vLLM allows any; docs/security.md)",
-    )
-    group.add_argument(
-        "--allowed-methods", nargs="+", default=["*"], metavar="METHOD", help="(CORS) default *"
-    )
-    group.add_argument(
-        "--allowed-headers", nargs="+", default=["*"], metavar="HEADER", help="(CORS) default *"
-    )
-    group.add_argument(
-        "--allow-credentials", action="store_true", help="(CORS) with cookies and HTTP auth"
-    )
-    group.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="no periodic stats line (throughput, running, waiting, KV cache, prefix hits)",
-    )
-    group.add_argument(
-        "--disable-log-requests",
-        dest="log_requests",
-        action="store_false",
-        help="no log line for each request's start and end",
-    )
-    group.add_argument(
-        "--enable-log-requests",
-        dest="log_requests",
-        action="store_true",
-        help="a log line for each request's start and end (kvscope's default)",
-    )
-    parser.set_defaults(log_requests=True)
-    group.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="usage counts the prompt tokens the prefix cache held "
-        "(prompt_tokens_details.cached_tokens)",
-    )
-    for flag, why in ALWAYS.items():
-        group.add_argument(flag, action="store_true", help=f"accepted: {why}")
-    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
-        group.add_argument(flag, short, type=int, default=1, help="1: one device serves a model")
-    for flag in ("--max-loras", "--max-cpu-loras"):
-        group.add_argument(
-            flag,
-            type=int,
-            default=None,
-            help="accepted: every adapter of --lora-modules stays loaded, and any number "
-            "share a step",
-        )
-
-
-def vllm_refusals(args: argparse.Namespace) -> str | None:
-    """What of vLLM's options kvscope cannot do, said as an error; None if all can be."""
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(args, name) != 1:
-            flag = "--" + name.replace("_", "-")
-            return (
-                f"{flag} {getattr(args, name)}: kvscope runs a model on one device; for more "
-                "throughput, serve replicas (--replicas N, on Ray Serve)"
-            )
-    return None
-
-
-def _names(values: list[str]) -> tuple[str, ...]:
-    """Names given one by one, comma-separated, or as a JSON list (vLLM's spelling)."""
-    names: list[str] = []
-    for value in values:
-        if value.lstrip().startswith("["):
-            listed = json.loads(value)
-            if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
-                raise ValueError(f"not a JSON list of strings: {value}")
-            names += listed
-        else:
-            names += [name.strip() for name in value.split(",") if name.strip()]
-    return tuple(names)
 
 
 #: The environment variables that hold keys (comma-separated): kvscope's, and vLLM's.
@@ -252,9 +124,9 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         cors=CorsPolicy(
-            _names(args.allowed_origins),
-            tuple(m.upper() for m in _names(args.allowed_methods)),
-            _names(args.allowed_headers),
+            names(args.allowed_origins),
+            tuple(m.upper() for m in names(args.allowed_methods)),
+            names(args.allowed_headers),
             args.allow_credentials,
         ),
         stats_log_interval=0.0 if args.disable_log_stats else STATS_LOG_INTERVAL,
@@ -277,42 +149,10 @@ def read_key_file(path: str) -> list[str]:
     return keys
 
 
-def with_worker_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with `--worker` and `--worker-cores`, where not given, as one server's or
-    as a replica's (with `--replicas`)."""
-    if args.worker is None:
-        args.worker = REPLICA_WORKER if args.replicas else SERVED_WORKER
-    if args.worker_cores is None:
-        args.worker_cores = REPLICA_WORKER_CORES if args.replicas else SERVED_WORKER_CORES
-    return args
-
-
-def run(args: argparse.Namespace) -> int:
-    with_worker_defaults(args)
-    if args.model_tag is not None and args.model not in (None, args.model_tag):
-        print(
-            f"error: the model is given twice: {args.model_tag} and --model {args.model}",
-            file=sys.stderr,
-        )
-        return 2
-    args.model = args.model_tag or args.model or DEFAULT_MODEL
-    refusal = vllm_refusals(args)
-    if refusal is not None:
-        print(f"error: {refusal}", file=sys.stderr)
-        return 2
-    if not args.log_requests:
-        logging.getLogger("kvscope.requests").setLevel(logging.WARNING)
-    try:
-        settings = settings_from(args)
-        kwargs = engine_kwargs(args)
-    except (TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.replicas:
-        from kvscope.replicas.cli import run as run_replicas  # imports Ray only here
-
-        return run_replicas(args, settings, kwargs)
-    server = Server(settings, kwargs, handle_signals=True)
+def serve_one(model: str, settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
+    """Run one server until SIGINT/SIGTERM; print where it listens once it does. The
+    exit status: 0 after a graceful stop, 1 if it cannot listen, 2 for bad settings."""
+    server = Server(settings, engine_kwargs, handle_signals=True)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -322,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             generates = engine.loaded.generates if engine else True
             chats = bool(engine and engine.loaded.chat_template)
             print(
-                f"kvscope serving {args.model} on {server.url} "
+                f"kvscope serving {model} on {server.url} "
                 f"(device {device}, backend {settings.backend})",
                 *first_steps(
                     server.url,

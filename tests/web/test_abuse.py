@@ -16,7 +16,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from kvscope.web import serve
+from kvscope import serve
+from kvscope.web.serve import settings_from
 
 from .conftest import Live, running_server, wait_clean, wait_for
 
@@ -143,14 +144,14 @@ def test_keys_from_a_file_or_the_environment(
     key_file = tmp_path / "keys"
     key_file.write_text("# the team's keys\nalpha\n\n  beta  \n")
     monkeypatch.setenv("KVSCOPE_API_KEY", "gamma")
-    settings = serve.settings_from(parser.parse_args(["--api-key-file", str(key_file)]))
+    settings = settings_from(parser.parse_args(["--api-key-file", str(key_file)]))
     assert sorted(settings.api_keys.values()) == ["alpha", "beta", "gamma"]
     monkeypatch.delenv("KVSCOPE_API_KEY")
     monkeypatch.setenv("KVSCOPE_API_KEY_FILE", str(key_file))
-    assert len(serve.settings_from(parser.parse_args([])).api_keys) == 2
+    assert len(settings_from(parser.parse_args([])).api_keys) == 2
     key_file.write_text("# none\n")
     with pytest.raises(ValueError, match="holds no key"):
-        serve.settings_from(parser.parse_args([]))
+        settings_from(parser.parse_args([]))
 
 
 def test_the_audit_log_is_readable_by_its_owner_only(live: Live) -> None:
