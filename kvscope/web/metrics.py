@@ -3,10 +3,9 @@
 Request-level figures come from the engine's release hook (called once per request when
 its KV blocks are back in the pool): counts by finish reason and by cancel reason,
 time to first token, inter-token latency, cancel-to-release latency, token counts.
-Step figures come from the step hook; the gaps between the forward's checkpoints
-(`kvscope_checkpoint_gap_seconds`) are read at scrape time from the runner's own
-histogram (`models/gaps.py`), which the forward's thread or process fills. Gauges (KV blocks, queue depth, running) are read
-from `engine.stats()` at scrape time. `monitor_loop_lag` is a small task that samples
+Step figures come from the step hook; what is read from the engine at scrape time
+(KV blocks, queue depth, running, the checkpoint gaps) is `engine_gauges.py`'s.
+`monitor_loop_lag` is a small task that samples
 how late the event loop serves a descriptor that became ready (`loop_lag`): the lag a
 request arriving on a socket suffers too.
 
@@ -24,14 +23,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvscope import Engine
-from kvscope.actors.readiness import waiting_for
 from kvscope.actors.request import RequestState
 
+from .engine_gauges import CheckpointGaps, EngineGauges
 from .loop_lag import LagProbe
 from .vllm_names import VllmNames
 
@@ -105,101 +104,6 @@ _REQUEST = (
 )
 #: Token counts: 1, 2, 5, 10, 20, 50, ... up to a million.
 _TOKENS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
-
-
-class _EngineGauges(Collector):
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
-        self._engine = engine
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self._engine.stats()
-        blocks = GaugeMetricFamily(
-            "kvscope_kv_blocks", "KV cache blocks by state", labels=["state"]
-        )
-        for state in ("free", "in_use", "cached"):
-            blocks.add_metric([state], stats[f"kv_blocks_{state}"])
-        yield blocks
-        yield GaugeMetricFamily(
-            "kvscope_kv_blocks_total", "KV cache blocks in the pool", value=stats["kv_blocks_total"]
-        )
-        yield GaugeMetricFamily(
-            "kvscope_kv_usage_ratio",
-            "Fraction of KV blocks in use",
-            value=stats["kv_blocks_in_use"] / max(1, stats["kv_blocks_total"]),
-        )
-        yield GaugeMetricFamily(
-            "kvscope_queue_depth", "Requests waiting for admission", value=stats["waiting"]
-        )
-        yield GaugeMetricFamily(
-            "kvscope_requests_running", "Requests in the running batch", value=stats["running"]
-        )
-        yield GaugeMetricFamily(
-            "kvscope_requests_live", "Requests not yet ended", value=stats["live_requests"]
-        )
-        adapters = GaugeMetricFamily(
-            "kvscope_lora_requests",
-            "Live requests running with each LoRA adapter served",
-            labels=["adapter"],
-        )
-        for name, count in self._engine.adapter_requests().items():
-            adapters.add_metric([name], count)
-        yield adapters
-        warming = waiting_for(self._engine.device, self._engine.config.worker, stats)
-        yield GaugeMetricFamily(
-            "kvscope_ready",
-            "1 once the server serves at full speed; 0 while a kernel build, the model"
-            " worker's start or the warm-up is pending (GET /ready)",
-            value=0 if warming else 1,
-        )
-        yield GaugeMetricFamily(
-            "kvscope_open_streams",
-            "Open SSE and WebSocket streams",
-            value=self._metrics.open_streams,
-        )
-        yield GaugeMetricFamily(
-            "kvscope_engine_model_bytes",
-            "Memory this process's copy of the model holds (0 once a model worker process"
-            " has taken over)",
-            value=stats["model_bytes"],
-        )
-        yield CounterMetricFamily(
-            "kvscope_worker_restarts",
-            "Model worker processes started to replace one that exited",
-            value=stats["worker_restarts"],
-        )
-        yield CounterMetricFamily(
-            "kvscope_prefix_cache_queries",
-            "Prompt tokens admitted, each looked up in the prefix cache",
-            value=stats["prompt_tokens_admitted"],
-        )
-        yield CounterMetricFamily(
-            "kvscope_prefix_cache_hits",
-            "Prompt tokens found computed at admission (a cached prefix, or a parent's)",
-            value=stats["prompt_tokens_reused"],
-        )
-        yield CounterMetricFamily(
-            "kvscope_preemptions",
-            "Sequences preempted (their blocks freed, to be computed again)",
-            value=self._engine.step_statistics().preemptions,
-        )
-
-
-class _CheckpointGaps(Collector):
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        gaps = getattr(self._engine.runner, "gaps", None)
-        if gaps is None:
-            return
-        pairs, total = gaps.buckets()
-        yield HistogramMetricFamily(
-            "kvscope_checkpoint_gap_seconds",
-            "Forward time between two checkpoints (the longest a cancel waits for one)",
-            buckets=[("+Inf" if b == float("inf") else str(b), c) for b, c in pairs],
-            sum_value=total,
-        )
 
 
 class _FastHistogram(Collector):
@@ -324,8 +228,8 @@ class Metrics:
         return histogram
 
     def attach(self, engine: Engine) -> None:
-        self.registry.register(_EngineGauges(engine, self))
-        self.registry.register(_CheckpointGaps(engine))
+        self.registry.register(EngineGauges(engine, lambda: self.open_streams))
+        self.registry.register(CheckpointGaps(engine))
         self._exposed = VllmNames(self.registry, engine)
         engine.release_listeners.append(self._on_release)
         engine.step_listeners.append(self._on_step)
