@@ -127,9 +127,6 @@ UPWARD_IMPORTS = {
 
 #: Web modules that import internal names: path -> how many, at most.
 WEB_INTERNAL_IMPORTS = {
-    # RequestInfo and Engine are kvscope's exports: import them from kvscope.
-    "web/auth.py": 1,
-    "web/model_names.py": 1,
     # TokenLogprobs (Delta.logprobs' type) and Tokenizer (Engine.tokenizer's type):
     # exported by kvscope, or the fields read through Engine.
     "web/events.py": 1,

@@ -39,15 +39,9 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
     from .deployment import build_app
     from .proxy import CALLBACK_ENV, CALLBACK_PATH
 
-    if settings.backend != "asyncio":
-        print("error: Ray Serve replicas run on asyncio; drop --backend trio", file=sys.stderr)
-        return 2
-    if settings.runtime_lora_updating:
-        print(
-            "error: runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) would load an "
-            "adapter in the one replica the call reaches; give adapters with --lora-modules",
-            file=sys.stderr,
-        )
+    refusal = _refusal(settings)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     port = settings.port or _free_port(settings.host)
     signals = _Signals()
@@ -55,10 +49,7 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
     # the local Ray started below; on a cluster, set it on every node's Ray).
     os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
     try:
-        if args.ray_address:
-            ray.init(address=args.ray_address, include_dashboard=False)
-        else:
-            ray.init(num_cpus=args.ray_cpus, include_dashboard=False)
+        _start_ray(args)
         signals.install()  # again: ray.init took SIGTERM
         serve.start(
             http_options={
@@ -88,6 +79,28 @@ def run(args: argparse.Namespace, settings: ServerSettings, engine_kwargs: dict[
     finally:
         ray.shutdown()
     return 0
+
+
+def _refusal(settings: ServerSettings) -> str | None:
+    """What of the server's settings replicas cannot do, said as an error."""
+    if settings.backend != "asyncio":
+        return "Ray Serve replicas run on asyncio; drop --backend trio"
+    if settings.runtime_lora_updating:
+        return (
+            "runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) would load an "
+            "adapter in the one replica the call reaches; give adapters with --lora-modules"
+        )
+    return None
+
+
+def _start_ray(args: argparse.Namespace) -> None:
+    """Join the cluster at `--ray-address`, or start Ray here with `--ray-cpus`."""
+    import ray
+
+    if args.ray_address:
+        ray.init(address=args.ray_address, include_dashboard=False)
+    else:
+        ray.init(num_cpus=args.ray_cpus, include_dashboard=False)
 
 
 def _serve_until_stopped(app: Any, banner: str, signals: _Signals) -> None:

@@ -12,7 +12,7 @@ import hmac
 
 from quart import Quart, g, request, websocket
 
-from kvscope.actors.messages import RequestInfo
+from kvscope import RequestInfo
 
 from .context import server
 from .errors import ApiError

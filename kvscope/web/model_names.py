@@ -3,7 +3,7 @@ adapters (`EngineConfig.lora_modules`), as vLLM serves them under their own name
 
 from __future__ import annotations
 
-from kvscope.actors.engine import Engine
+from kvscope import Engine
 
 from .errors import ApiError
 
