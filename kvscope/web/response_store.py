@@ -21,7 +21,7 @@ import attrs
 from kvscope import Job
 
 from .errors import ApiError
-from .responses_format import ResponseView
+from .response_view import ResponseView
 
 
 @attrs.define(eq=False)

@@ -51,7 +51,8 @@ from .reasoning import NONE as NO_REASONING
 from .reasoning import ReasoningParser
 from .response_ids import response_id
 from .response_store import ResponseStore, StoredResponse
-from .responses_format import ResponseEvents, ResponseView
+from .response_view import ResponseView
+from .responses_format import ResponseEvents
 from .responses_schemas import ResponsesBody, conversation, input_items, listed_items
 from .sse import StreamBody, sse_response
 from .tools import ToolPlan

@@ -21,7 +21,8 @@ from pydantic import TypeAdapter
 
 from kvscope import Completion
 from kvscope.web.reasoning import ReasoningParser
-from kvscope.web.responses_format import ResponseEvents, ResponseView
+from kvscope.web.response_view import ResponseView
+from kvscope.web.responses_format import ResponseEvents
 from kvscope.web.responses_schemas import ResponsesBody
 
 from .conftest import Live, bundled_with_template, running_server, wait_clean, wait_for, wait_tokens
