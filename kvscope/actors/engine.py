@@ -13,25 +13,24 @@ the pool.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
-import attrs
 from anyio.abc import TaskGroup
 
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
 from kvscope.kernels.guided import GuideCompiler
-from kvscope.models.lora import LoraError, check_adapter_name, read_adapter
 from kvscope.models.runner import ModelRunner
 from kvscope.models.warm_up import WarmUp
 from kvscope.models.worker import ProcessRunner
 from kvscope.params import SamplingParams
 
+from .adapters import RuntimeAdapters
 from .admission import Admission
 from .audit import AuditLog
+from .cancelling import cancel_and_report, cancel_tree
 from .handles import DeltaStream, Job, Request
 from .lifecycle import Actors, Ledger, run_request
 from .messages import CancelReport, Completion, RequestInfo, RequestStatus, StepStatistics
@@ -39,6 +38,7 @@ from .parts import Parts, load_parts, run_worker
 from .registry import Registry
 from .request import RequestState
 from .spec import Prompt, RequestSpec
+from .statistics import engine_stats
 from .step import StepActor
 
 log = logging.getLogger("kvscope.requests")
@@ -58,7 +58,7 @@ class Engine:
         self.kv_cache = parts.kv_cache
         self.registry = Registry(config.finished_history, config.finished_history_bytes)
         self.ledger = Ledger()
-        self._adapters = parts.adapters
+        self.lora = RuntimeAdapters(parts, self.ledger)
         self.admission = Admission(
             parts.loaded, config, self.scheduler, self.registry, self.ledger, parts.adapters
         )
@@ -166,7 +166,7 @@ class Engine:
         try:
             yield Request(state)
         finally:
-            self._cancel_tree(state, "scope", None)
+            cancel_tree(state, "scope", None)
             # Leaving the block means the request (and its children) ended and its
             # blocks are free; a step in flight drops it at its next checkpoint.
             with anyio.CancelScope(shield=True):
@@ -224,7 +224,7 @@ class Engine:
 
     def adapter_requests(self) -> dict[str, int]:
         """Each LoRA adapter served, and how many live requests run with it."""
-        return {name: self.ledger.adapter_users[name] for name in self._adapters}
+        return self.lora.requests()
 
     def scheduled_adapters(self) -> tuple[list[str], list[str]]:
         """The LoRA adapters of the running requests, and of the waiting ones (vLLM's
@@ -234,44 +234,12 @@ class Engine:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve the LoRA adapter saved in `path` as `name` from now on (vLLM's runtime
-        loading). It is read and checked against the model in a worker thread first, and
-        handed to this process's copy of the model; a model worker process reads it
-        when a step first uses it (the step tells it). A name in use is a `RequestConflict`; an adapter that
-        cannot be served, an `InvalidRequest` saying why."""
-        try:
-            check_adapter_name(name, self.model_name)
-        except LoraError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if name in self._adapters:
-            raise RequestConflict(f"LoRA adapter {name!r} is already loaded")
-        config, device, max_rank = self.loaded.config, self.device, self.config.max_lora_rank
-        try:
-            adapter = await anyio.to_thread.run_sync(
-                lambda: read_adapter(name, path, config, device=device, max_rank=max_rank)
-            )
-        except LoraError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if name in self._adapters:  # loaded by another call meanwhile
-            raise RequestConflict(f"LoRA adapter {name!r} is already loaded")
-        self._adapters[name] = path
-        self.runner.add_adapter(adapter)  # this process's copy of the model need not read it
-        log.info("LoRA adapter %r loaded from %s: rank %d", name, path, adapter.rank)
+        loading; `adapters.RuntimeAdapters.load`)."""
+        await self.lora.load(name, path)
 
     def unload_adapter(self, name: str) -> None:
-        """Stop serving the LoRA adapter `name` and free it (a model worker process
-        frees its copy with its next step). `UnknownRequest` if it is not loaded;
-        `RequestConflict` while requests run with it."""
-        if name not in self._adapters:
-            raise UnknownRequest(f"no LoRA adapter {name!r} is loaded")
-        users = self.ledger.adapter_users[name]
-        if users:
-            raise RequestConflict(
-                f"LoRA adapter {name!r} has {users} live request(s); cancel them or wait "
-                "for them to end"
-            )
-        del self._adapters[name]
-        self.runner.forget_adapter(name)
-        log.info("LoRA adapter %r unloaded", name)
+        """Stop serving the LoRA adapter `name` (`adapters.RuntimeAdapters.unload`)."""
+        self.lora.unload(name)
 
     # -- cancelling ---------------------------------------------------------------------
 
@@ -279,53 +247,12 @@ class Engine:
         self, request_id: str, reason: str = "user", by: str | None = None
     ) -> CancelReport:
         """Cancel a request and its children; returns once its blocks are released."""
-        called = time.perf_counter()
-        state = self.registry.get(request_id)
-        if state is None:
-            return CancelReport(id=request_id, found=False, status="unknown")
-        status = state.public_status
-        children = len(state.live_descendants())
-        report = CancelReport(
-            id=request_id,
-            found=True,
-            status=status,
-            cancelled_children=children,
-            tokens_generated=len(state.token_ids),
-        )
-        if not self._cancel_tree(state, reason, by):
-            return report
-        await state.ended.wait()  # published after the release
-        assert state.released_at is not None
-        return attrs.evolve(
-            report,
-            tokens_generated=len(state.token_ids),
-            blocks_released=state.blocks_released,
-            release_seconds=state.released_at - called,
-            in_running_step=state.in_running_step,
-            reply_seconds=time.perf_counter() - called,
-        )
+        return await cancel_and_report(self.registry, request_id, reason, by)
 
     def cancel_nowait(self, request_id: str, reason: str = "user", by: str | None = None) -> bool:
         """Cancel without waiting (for `finally` blocks); False if unknown or ended."""
         state = self.registry.get(request_id)
-        return state is not None and self._cancel_tree(state, reason, by)
-
-    def _cancel_tree(self, state: RequestState, reason: str, by: str | None) -> bool:
-        """Cancel `state`, or, if it has ended, its live children; True if it was live.
-
-        Cancelling a live request's scope cancels its children by structure; an ended
-        request's task lingers only to host its children, which are cancelled one by
-        one. Iterative, parents before children: the first live request on each path is
-        cancelled with its subtree, and nothing under it is visited.
-        """
-        if state.cancel(reason, by):
-            return True
-        stack = [(child, state) for child in reversed(state.children)]
-        while stack:
-            child, parent = stack.pop()
-            if not child.cancel("parent", parent.id):
-                stack.extend((grandchild, child) for grandchild in reversed(child.children))
-        return False
+        return state is not None and cancel_tree(state, reason, by)
 
     # -- looking ------------------------------------------------------------------------
 
@@ -344,38 +271,7 @@ class Engine:
         return DeltaStream(state)
 
     def stats(self) -> dict[str, int]:
-        pool = self.pool.stats()
-        counts = self.ledger.counts
-        return {
-            "kv_blocks_total": pool.total,
-            "kv_blocks_free": pool.free,
-            "kv_blocks_in_use": pool.in_use,
-            "kv_blocks_cached": pool.cached,
-            "running": self.scheduler.num_running,
-            "waiting": self.scheduler.num_waiting,
-            "live_requests": self.registry.num_live,
-            "finished": counts["finished"],
-            "cancelled": counts["cancelled"],
-            "failed": counts["failed"],
-            "steps": self.step.steps,
-            "prompt_tokens_admitted": self.scheduler.prompt_tokens_admitted,
-            "prompt_tokens_reused": self.scheduler.prompt_tokens_reused,
-            # Request tasks running now, counted by the tasks themselves as they enter
-            # and leave (the step actor is not counted): 0 when nothing leaked.
-            "tasks": self.ledger.tasks,
-            # The model worker process (0 and 0 with worker="thread").
-            "worker_pid": getattr(self.runner, "pid", None) or 0,
-            "worker_restarts": getattr(self.runner, "restarts", 0),
-            # Row buckets the thread worker's idle warm-up has still to build (0 once
-            # done, and with a model worker process, which warms up before it is ready).
-            "warm_up_pending": 0 if self.step.warm_up is None else len(self.step.warm_up.pending),
-            # The memory this process's copy of the model holds: 0 once a model worker
-            # process has taken over (it holds its own).
-            "model_bytes": self.runner.model_bytes,
-            # Ended requests kept for look-up by id, and about the bytes they hold.
-            "history": self.registry.num_retained,
-            "history_bytes": self.registry.retained_bytes,
-        }
+        return engine_stats(self._actors)
 
     def step_statistics(self) -> StepStatistics:
         """What the step actor is doing: steps, aborted steps, preemptions, and which
@@ -411,7 +307,7 @@ class Engine:
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters requests may run with (`SamplingParams.lora`): each name's
         directory."""
-        return dict(self._adapters)
+        return dict(self.lora.table)
 
     @property
     def max_model_len(self) -> int:
