@@ -3,138 +3,60 @@ over the paged K/V blocks in place instead of gathering them first, the prefill 
 beside it, the fused elementwise steps (`csrc/elementwise.cpp`, used by `fused.py`), and
 the multiplies by GGML-quantized weights (`csrc/quant_matmul.cpp`, used by `quantized.py`).
 
-It is built once per machine, the first time an engine runs on the CPU, into a cache
-directory (`$KVSCOPE_KERNEL_CACHE`, else `$TORCH_EXTENSIONS_DIR/kvscope`, else
-`~/.cache/kvscope/kernels`), by invoking the C++ compiler (`$CXX`, default `g++`)
-directly on the sources with torch's headers and libraries: no build tool, no new
-dependency. The build runs in a background thread, so the engine serves at once on the
-torch fallback and switches to the kernel when it is ready; a cached build is loaded at
-once. The shared library registers `torch.ops.kvscope.paged_decode` and is loaded with
-`torch.ops.load_library`; before first use it is checked against the torch reference.
-Where no compiler exists, or the build or the check fails, one log line says so and
-the fallback stays. The build's vector path follows the CPU (`-march=native`: AVX-512
-BF16, AVX-512, AVX2 or none); `CpuKernel.isa` and the log line name it.
+Which library serves: a wheel's prebuilt variant for this CPU and torch where there
+is one (`prebuilt.py`), loaded at once; else a build of this machine's own
+(`kernel_build.py`: `-march=native`, cached), loaded at once when cached, else made in a
+background thread while the engine serves on the torch fallback, switching to the
+kernel when it is ready. The library registers `torch.ops.kvscope.*` and is loaded with
+`torch.ops.load_library`; before first use each op is checked against its torch
+reference here. Where no library fits and no compiler exists, or the build or the check
+fails, one log line says so and the fallback stays. `CpuKernel.library` names the
+library that serves (one log line too) and `CpuKernel.isa` its vector path (AVX-512
+BF16, AVX-512, AVX2 or none).
 
 `CpuDecode` is the decode function `attention.decode_backend("cpu")` hands out: the
 kernel when it is ready and supports the dtype, the fallback otherwise.
 
-The same library has `paged_prefill`: a prefill chunk's rows attend over the blocks in
-place, a tile of rows at a time. Whether it or SDPA is quicker depends on the CPU
-(SDPA's flash kernel multiplies on AMX tiles where there are some), so when the kernel
-loads it is timed against SDPA (over the chunks' own rows, as fresh prompts attend:
-`attention.sdpa_own_rows`) on one shape (`PREFILL_PROBE`), and prefill chunks go
-through the kernel only where it won (`CpuKernel.prefill_in_place`). On the 2-core AMX
-machine, 8 prompts of 256 tokens, one layer of the reference model: 2.7 ms for SDPA over
-the own rows, 3.8 for gather + SDPA a chunk at a time, 5.0 for the kernel.
-`KVSCOPE_PREFILL=kernel` or `=sdpa` skips the timing and says which serves.
+The same library has `paged_prefill`, which serves prefill chunks where it beats SDPA
+here (`prefill_choice.py`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from . import prebuilt
+from .kernel_build import (  # noqa: F401 (BUILDING_PREFIX, build_command, prune_builds: re-exported)
+    BUILDING_PREFIX,
+    CSRC,
+    BackgroundBuild,
+    build_command,
+    compiler,
+    library_path,
+    prune_builds,
+)
+from .prefill_choice import prefill_in_place
+
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
 #: Compiled into one library; `simd.h` beside them is theirs too (the cache key reads
 #: every file of `csrc`).
 SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp", CSRC / "quant_matmul.cpp")
-#: Flags beyond torch's include and library paths. `-march=native`: the build is for
-#: this machine only, and its cache key includes the CPU's flags.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++20", "-shared", "-fPIC")
 DTYPES = (torch.float32, torch.bfloat16)
 #: The relative error the start-up check allows against the torch reference.
 CHECK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-#: The prefill timed against SDPA when the kernel loads: chunks of this many
-#: tokens, from position 0, in the reference model's head layout (8 query heads over 4
-#: KV heads of 64), bfloat16, blocks of 16.
-PREFILL_PROBE = {"chunks": 4, "tokens": 256, "heads": 8, "kv_heads": 4, "dim": 64, "block": 16}
-PREFILL_CHOICES = ("auto", "kernel", "sdpa")
-#: Builds kept in the cache besides the one in use: other venvs (another torch, another
-#: compiler) may share the cache, so a few recent ones stay; older ones are deleted.
-KEEP_OTHER_BUILDS = 3
-#: A build's private file while the compiler writes it (renamed once whole); one older
-#: than `ABANDONED_AFTER` seconds was left by a process that exited mid-build.
-BUILDING_PREFIX = "building-"
-ABANDONED_AFTER = 3600.0
-
 Fallback = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
-
-
-def cache_dir() -> Path:
-    if explicit := os.environ.get("KVSCOPE_KERNEL_CACHE"):
-        return Path(explicit)
-    if torch_dir := os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(torch_dir) / "kvscope"
-    return Path.home() / ".cache" / "kvscope" / "kernels"
-
-
-def compiler() -> str | None:
-    """The C++ compiler's path, or None when there is none."""
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def build_command(cxx: str, sources: Sequence[Path], output: Path) -> list[str]:
-    from torch.utils.cpp_extension import include_paths
-
-    torch_lib = str(Path(torch.__file__).parent / "lib")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [
-        cxx,
-        *FLAGS,
-        "-fopenmp",  # at::parallel_for's OpenMP backend; resolves to torch's own libgomp
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{path}" for path in include_paths()),
-        *(str(source) for source in sources),
-        "-o",
-        str(output),
-        f"-L{torch_lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_lib}",
-    ]
-
-
-def library_path(cxx: str) -> Path:
-    """Where the build for these sources, torch, compiler and CPU lives."""
-    key = hashlib.sha256()
-    for source in sorted(CSRC.iterdir()):
-        if source.is_file():
-            key.update(source.read_bytes())
-    # SOURCES too: a build of fewer of csrc's files must not pass for one of all of them
-    # (by name: the same sources installed elsewhere, another venv's, share the build)
-    names = (source.name for source in SOURCES)
-    for part in (torch.__version__, cxx, " ".join(FLAGS), _cpu_flags(), *names):
-        key.update(part.encode())
-    key.update(sys.version.encode())
-    return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
 
 
 class CpuKernel:
@@ -144,8 +66,6 @@ class CpuKernel:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._started = False
-        #: The compiler while it runs, stopped if this process exits first.
-        self._build_process: subprocess.Popen[str] | None = None
         self.op: Callable[..., None] | None = None
         self.prefill_op: Callable[..., None] | None = None
         #: The fused elementwise steps (`csrc/elementwise.cpp`, used by `kernels/fused.py`).
@@ -165,25 +85,34 @@ class CpuKernel:
         #: The instruction set the loaded build's vector path uses: "avx512-bf16",
         #: "avx512", "avx2" or "scalar" (`paged_decode_isa()` in the source).
         self.isa: str | None = None
+        #: Which library serves: "prebuilt <variant>" (the wheel's) or "built here".
+        self.library: str | None = None
 
     @property
     def ready(self) -> bool:
         return self.op is not None
 
     def start(self) -> None:
-        """Load the cached build now, or start building it in the background."""
+        """Load a prebuilt library or the cached build now, or start building it in the
+        background."""
         with self._lock:
             if self._started:
                 return
             self._started = True
+        chosen = prebuilt.choose(SOURCES)
+        if not isinstance(chosen, str):
+            # (no build after it, should it fail its check: its ops are registered now)
+            self._load(chosen[0], f"prebuilt {chosen[1]}")
+            return
+        log.info("no prebuilt CPU kernel library fits: %s", chosen)
         cxx = compiler()
         if cxx is None:
             name = os.environ.get("CXX", "g++")
             self._give_up(f"no C++ compiler ({name} not found)")
             return
-        path = library_path(cxx)
+        path = library_path(cxx, SOURCES)
         if path.exists():
-            self._load(path)
+            self._load(path, "built here")
             return
         log.info(
             "building the CPU paged-attention kernel in the background (%s, about a minute) "
@@ -191,10 +120,9 @@ class CpuKernel:
             Path(cxx).name,
             path.parent,
         )
-        thread = threading.Thread(
-            target=self._build, args=(cxx, path), name="kvscope-kernel-build", daemon=True
-        )
-        atexit.register(self._stop_build)
+        build = BackgroundBuild(cxx, SOURCES)
+        thread = threading.Thread(target=self._build, args=(build,), name="kvscope-kernel-build")
+        thread.daemon = True
         thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -203,46 +131,14 @@ class CpuKernel:
         self._done.wait(timeout)
         return self.ready
 
-    def _build(self, cxx: str, path: Path) -> None:
-        started = time.perf_counter()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Build under a private name, then rename: concurrent builds never see half a file.
-            fd, tmp = tempfile.mkstemp(prefix=BUILDING_PREFIX, suffix=".so", dir=path.parent)
-            os.close(fd)
-            # Its own process group, so that `_stop_build` stops the compiler's children too.
-            with subprocess.Popen(
-                build_command(cxx, SOURCES, Path(tmp)),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            ) as build:
-                self._build_process = build
-                _, stderr = build.communicate()
-            self._build_process = None
-            if build.returncode != 0:
-                os.unlink(tmp)
-                tail = " | ".join(stderr.strip().splitlines()[-3:])
-                self._give_up(f"the build failed ({tail})")
-                return
-            os.replace(tmp, path)
-        except OSError as exc:
-            self._give_up(f"the build failed ({exc})")
-            return
-        prune_builds(path)
-        self._load(path, built_in=time.perf_counter() - started)
+    def _build(self, build: BackgroundBuild) -> None:
+        why_not, seconds = build.run()
+        if why_not:
+            self._give_up(why_not)
+        else:
+            self._load(build.path, "built here", built_in=seconds)
 
-    def _stop_build(self) -> None:
-        """(at exit) Stop a build still running: it would outlive this process, and its
-        private file stays for `prune_builds` to find abandoned."""
-        build = self._build_process
-        if build is not None and build.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(build.pid, signal.SIGKILL)
-            build.wait()
-
-    def _load(self, path: Path, built_in: float | None = None) -> None:
+    def _load(self, path: Path, library: str, built_in: float | None = None) -> None:
         try:
             torch.ops.load_library(str(path))
             op = torch.ops.kvscope.paged_decode.default
@@ -260,14 +156,15 @@ class CpuKernel:
         except Exception as exc:  # a stale or broken build: never let it serve
             self._give_up(f"the kernel at {path} did not load or check out ({exc})")
             return
-        self.prefill_in_place = _prefill_in_place(prefill_op)
+        self.prefill_in_place = prefill_in_place(prefill_op)
         self.silu_and_mul_op, self.rms_norm_op = silu_and_mul, rms_norm
         self.rope_and_cache_op = rope_and_cache
         self.small_linear_op = small_linear if isa == "avx512-bf16" else None
         self.quant_linear_op, self.quant_dequantize_op = _quant_ops()
-        self.op, self.prefill_op, self.isa = op, prefill_op, isa
+        self.op, self.prefill_op, self.isa, self.library = op, prefill_op, isa, library
         with contextlib.suppress(OSError):
-            os.utime(path)  # "recent" for `prune_builds` means recently used
+            if library == "built here":
+                os.utime(path)  # "recent" for `prune_builds` means recently used
         if built_in is not None:
             log.info(
                 "CPU paged-attention kernel (%s) built in %.0f s; the decode uses it now",
@@ -275,7 +172,7 @@ class CpuKernel:
                 built_in,
             )
         else:
-            log.info("CPU paged-attention kernel (%s) loaded from %s", isa, path)
+            log.info("CPU paged-attention kernel (%s, %s) loaded from %s", isa, library, path)
         self._done.set()
 
     def _give_up(self, why: str) -> None:
@@ -296,104 +193,6 @@ def _quant_ops() -> tuple[Callable[..., None], Callable[..., None]] | tuple[None
         log.warning("quantized weights stay on the torch fallback: %s", exc)
         return None, None
     return ops
-
-
-def _prefill_in_place(prefill_op: Callable[..., None]) -> bool:
-    """Whether prefill chunks should go through `prefill_op`: as `KVSCOPE_PREFILL`
-    says, or (auto) where it beats SDPA on `PREFILL_PROBE`; logged."""
-    choice = os.environ.get("KVSCOPE_PREFILL", "auto")
-    if choice not in PREFILL_CHOICES:
-        log.warning("KVSCOPE_PREFILL=%s is not one of %s; taking auto", choice, PREFILL_CHOICES)
-        choice = "auto"
-    if choice != "auto":
-        log.info("prefill attention: %s (KVSCOPE_PREFILL)", choice)
-        return choice == "kernel"
-    kernel_ms, sdpa_ms = (seconds * 1e3 for seconds in _time_prefill(prefill_op))
-    wins = kernel_ms < sdpa_ms
-    log.info(
-        "prefill attention: %s (in-place kernel %.2f ms, SDPA %.2f ms on %d x %d tokens)",
-        "in-place kernel" if wins else "SDPA",
-        kernel_ms,
-        sdpa_ms,
-        PREFILL_PROBE["chunks"],
-        PREFILL_PROBE["tokens"],
-    )
-    return wins
-
-
-def _time_prefill(prefill_op: Callable[..., None]) -> tuple[float, float]:
-    """The quickest of a few runs of `prefill_op` and of SDPA on the probe."""
-    from .attention import sdpa_own_rows
-
-    shape = PREFILL_PROBE
-    chunks, tokens, block = shape["chunks"], shape["tokens"], shape["block"]
-    width = -(-tokens // block)
-    generator = torch.Generator().manual_seed(0)
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(torch.bfloat16)
-
-    # Block-major, as `KVCache` stores it wherever this library serves.
-    keys = rand(chunks * width, block, shape["kv_heads"], shape["dim"])
-    values = rand(chunks * width, block, shape["kv_heads"], shape["dim"])
-    tables = torch.arange(chunks * width).view(chunks, width)
-    query = rand(chunks * tokens, shape["heads"], shape["dim"])
-    own_keys = rand(chunks * tokens, shape["kv_heads"], shape["dim"])
-    own_values = rand(chunks * tokens, shape["kv_heads"], shape["dim"])
-    out = torch.empty_like(query)
-    starts = torch.zeros(chunks, dtype=torch.int32)
-    offsets = torch.arange(0, (chunks + 1) * tokens, tokens, dtype=torch.int32)
-
-    def kernel() -> None:
-        prefill_op(out, query, keys, values, tables, starts, offsets, 0.125)
-
-    def sdpa() -> None:
-        out[:] = sdpa_own_rows(query, own_keys, own_values, chunks, 0.125)
-
-    def quickest(run: Callable[[], None]) -> float:
-        run()  # warm-up
-        best = float("inf")
-        for _ in range(3):
-            started = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - started)
-        return best
-
-    with torch.inference_mode():
-        return quickest(kernel), quickest(sdpa)
-
-
-def prune_builds(current: Path, keep: int = KEEP_OTHER_BUILDS) -> list[Path]:
-    """Delete all but the `keep` most recent other builds next to `current` (each
-    source or torch change makes a new one), and the private files of builds abandoned
-    mid-way (their process exited while the compiler ran); returns what was deleted. A
-    build in use by another process stays mapped in it after its file is gone."""
-    builds = _by_age(p for p in current.parent.glob("paged_decode-*.so") if p != current)
-    building = _by_age(current.parent.glob(f"{BUILDING_PREFIX}*.so"))
-    abandoned_before = time.time() - ABANDONED_AFTER
-    abandoned = [path for mtime, path in building if mtime < abandoned_before]
-    deleted = []
-    for old in [path for _mtime, path in builds[keep:]] + abandoned:
-        try:
-            old.unlink()
-            deleted.append(old)
-        except OSError:
-            pass  # another process pruned it first
-    if deleted:
-        log.info("deleted %d old CPU kernel build(s) from %s", len(deleted), current.parent)
-    return deleted
-
-
-def _by_age(paths: Iterable[Path]) -> list[tuple[float, Path]]:
-    """(mtime, path) of each of `paths` still there, the most recent first (another
-    process may rename or delete one meanwhile: its build finished, or it pruned)."""
-    dated = []
-    for path in paths:
-        try:
-            dated.append((path.stat().st_mtime, path))
-        except OSError:
-            continue
-    return sorted(dated, reverse=True)
 
 
 def _check(op: Callable[..., None]) -> None:
