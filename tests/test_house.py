@@ -82,7 +82,6 @@ PUBLIC_MODULES = frozenset(
 
 #: Modules over MAX_MODULE_LINES: path -> lines at most.
 LONG_MODULES = {
-    "actors/request.py": 425,  # the request's state apart from its task
     "kernels/attention.py": 611,  # torch references / metadata / backend choice apart
     "kernels/cpu_decode.py": 584,  # library loader, self-checks, fast paths apart
     "kernels/sampling.py": 356,  # logprobs apart from the sampler

@@ -37,6 +37,7 @@ from .messages import CancelReport, Completion, RequestInfo, RequestStatus, Step
 from .parts import Parts, load_parts, run_worker
 from .registry import Registry
 from .request import RequestState
+from .request_views import info_of
 from .spec import Prompt, RequestSpec
 from .statistics import engine_stats
 from .step import StepActor
@@ -258,10 +259,10 @@ class Engine:
 
     def get(self, request_id: str) -> RequestInfo | None:
         state = self.registry.get(request_id)
-        return state.info() if state is not None else None
+        return info_of(state) if state is not None else None
 
     def list_requests(self, owner: str | None = None) -> list[RequestInfo]:
-        return [state.info() for state in self.registry.live(owner)]
+        return [info_of(state) for state in self.registry.live(owner)]
 
     def watch(self, request_id: str) -> DeltaStream:
         """The deltas of a request from its start; watching cancels nothing."""

@@ -15,6 +15,7 @@ import anyio
 
 from .messages import Completion, Delta, RequestInfo
 from .request import RequestState
+from .request_views import completion_of, info_of
 
 
 class _Cursor:
@@ -121,17 +122,17 @@ class _Handle:
     @property
     def result(self) -> Completion:
         """The final `Completion`; raises `RuntimeError` while the request runs."""
-        return self._state.result
+        return completion_of(self._state)
 
     def info(self) -> RequestInfo:
-        return self._state.info()
+        return info_of(self._state)
 
     def __aiter__(self) -> DeltaStream:
         return DeltaStream(self._state)
 
     async def wait(self) -> Completion:
         await self._state.ended.wait()
-        return self._state.result
+        return completion_of(self._state)
 
     def cancel(self, reason: str = "user", by: str | None = None) -> bool:
         """Cancel without waiting (synchronous); False if it had already ended."""

@@ -11,9 +11,37 @@ unguessable (128 random bits), so knowing one is the capability to act on it.
 from __future__ import annotations
 
 import secrets
+from array import array
 from collections import OrderedDict
 
+from kvscope.kernels.sampling import TokenLogprobs
+
 from .request import RequestState
+
+#: Bytes a folded request holds besides its text and token ids: its state, sequence,
+#: events and scope (measured with tracemalloc: about 8 KiB).
+RETAINED_OVERHEAD = 8 * 1024
+#: Bytes one token's `TokenLogprobs` holds, and each alternative in its top k (measured
+#: with tracemalloc).
+LOGPROBS_BYTES = 96
+ALTERNATIVE_BYTES = 128
+
+
+def _logprobs_bytes(logprobs: TokenLogprobs | None) -> int:
+    return 0 if logprobs is None else LOGPROBS_BYTES + ALTERNATIVE_BYTES * len(logprobs.top)
+
+
+def retained_bytes(state: RequestState) -> int:
+    """About what it holds in memory once folded (the history's size budget)."""
+    return (
+        RETAINED_OVERHEAD
+        + len(state.text) * 4  # at most 4 bytes a character; usually 1
+        + len(state.token_ids) * array("l").itemsize
+        + len(state.children) * 8
+        + sum(map(_logprobs_bytes, state.logprobs or ()))
+        + sum(map(_logprobs_bytes, state.prompt_logprobs or ()))
+        + (len(state.embedding) * state.embedding.itemsize if state.embedding else 0)
+    )
 
 
 def new_request_id(prefix: str = "req-") -> str:
@@ -63,7 +91,7 @@ class Registry:
         if self._live.pop(state.id, None) is None:
             return
         state.fold()  # its cleanup released it before its task could end
-        size = state.retained_bytes()
+        size = retained_bytes(state)
         self._history[state.id] = (state, size)
         self.retained_bytes += size
         while self._history and (

@@ -23,20 +23,9 @@ from kvscope.kernels.sampling import Guide, RowState, TokenLogprobs
 from kvscope.models.tokenizer import IncrementalDecoder, Tokenizer
 from kvscope.params import SamplingParams
 
-from .messages import STATUS_OF_REASON, Completion, Delta, RequestInfo, RequestStatus
+from .bad_words import bad_word_ids
+from .messages import STATUS_OF_REASON, Delta, RequestStatus
 from .sequence import Sequence
-
-#: Bytes a folded request holds besides its text and token ids: its state, sequence,
-#: events and scope (measured with tracemalloc: about 8 KiB).
-RETAINED_OVERHEAD = 8 * 1024
-#: Bytes one token's `TokenLogprobs` holds, and each alternative in its top k (measured
-#: with tracemalloc).
-LOGPROBS_BYTES = 96
-ALTERNATIVE_BYTES = 128
-
-
-def _logprobs_bytes(logprobs: TokenLogprobs | None) -> int:
-    return 0 if logprobs is None else LOGPROBS_BYTES + ALTERNATIVE_BYTES * len(logprobs.top)
 
 
 class RequestState:
@@ -354,72 +343,3 @@ class RequestState:
         self.seq.tokens = []
         self.seq.block_hashes = []
         self.seq.generator = None
-
-    def retained_bytes(self) -> int:
-        """About what it holds in memory once folded (the history's size budget)."""
-        return (
-            RETAINED_OVERHEAD
-            + len(self.text) * 4  # at most 4 bytes a character; usually 1
-            + len(self.token_ids) * array("l").itemsize
-            + len(self.children) * 8
-            + sum(map(_logprobs_bytes, self.logprobs or ()))
-            + sum(map(_logprobs_bytes, self.prompt_logprobs or ()))
-            + (len(self.embedding) * self.embedding.itemsize if self.embedding else 0)
-        )
-
-    # -- views ------------------------------------------------------------------------
-
-    @property
-    def result(self) -> Completion:
-        if not self.is_released:
-            raise RuntimeError(f"request {self.id} has not ended yet")
-        return Completion(
-            id=self.id,
-            text=self.text,
-            token_ids=tuple(self.token_ids),
-            finish_reason=self.finish_reason or "cancelled",
-            prompt_tokens=self.num_prompt_tokens,
-            cached_tokens=self.seq.num_cached_prompt or 0,
-            cancel_reason=self.cancel_reason,
-            error=self.error,
-            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
-            prompt_logprobs=(
-                tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None
-            ),
-            embedding=self._embedding(),
-        )
-
-    def info(self) -> RequestInfo:
-        return RequestInfo(
-            id=self.id,
-            status=self.public_status,
-            text=self.text,
-            token_ids=tuple(self.token_ids),
-            prompt_tokens=self.num_prompt_tokens,
-            finish_reason=self.finish_reason,
-            cancel_reason=self.cancel_reason,
-            cancelled_by=self.cancelled_by,
-            parent=self.parent.id if self.parent is not None else None,
-            children=tuple(c.id for c in self.children),
-            priority=self.priority,
-            owner=self.owner,
-            created=self.created_wall,
-            error=self.error,
-            embedding=self._embedding(),
-        )
-
-    def _embedding(self) -> tuple[float, ...] | None:
-        return tuple(self.embedding) if self.embedding is not None else None
-
-
-def bad_word_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-    """The token sequences of `bad_words`, as vLLM spells them: each word as at the
-    text's start, and after a space where that is other tokens of the same count."""
-    sequences = []
-    for word in words:
-        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        sequences.append(bare)
-        if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-            sequences.append(spaced)
-    return tuple(sequence for sequence in sequences if sequence)

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from kvscope import Engine, InvalidRequest, SamplingParams
-from kvscope.actors.request import bad_word_ids
+from kvscope.actors.bad_words import bad_word_ids
 from tests.conftest import audit_lines, open_engine, wait_for
 
 pytestmark = pytest.mark.anyio
