@@ -50,7 +50,12 @@ log = logging.getLogger(__name__)
 
 #: Compiled into one library; `simd.h` beside them is theirs too (the cache key reads
 #: every file of `csrc`).
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp", CSRC / "quant_matmul.cpp")
+SOURCES = (
+    CSRC / "paged_decode.cpp",
+    CSRC / "elementwise.cpp",
+    CSRC / "quant_matmul.cpp",
+    CSRC / "decode_layer.cpp",
+)
 DTYPES = (torch.float32, torch.bfloat16)
 #: The relative error the start-up check allows against the torch reference.
 CHECK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.cache.kv_cache import KVCache
-from kvscope.kernels import linear
+from kvscope.kernels import fused_layer, linear
 from kvscope.kernels.attention import AttentionMetadata, paged_attention
 from kvscope.kernels.fused import rms_norm, rope_and_cache, silu_and_mul
 from kvscope.kernels.linear import Linear
@@ -95,6 +95,8 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
+        #: What a fused layer needs of the config (`kernels/fused_layer.py`).
+        self.shape = (c.num_heads, c.rms_norm_eps, self.scale)
 
         check_weights(config, weights)
 
@@ -141,6 +143,21 @@ class LlamaModel:
             )
         #: Which weight layouts the linear layers use (`kernels.linear.plan`).
         self.linear_layout = linear.plan(self.linears())
+        #: Each layer in one compiled call for decode steps, where it can be
+        #: (`kernels/fused_layer.py`); None where it cannot (q/k norms: Qwen3).
+        self.fused = [
+            None
+            if layer.q_norm is not None
+            else fused_layer.fused_layer(
+                layer.input_norm,
+                layer.qkv,
+                layer.o_proj,
+                layer.post_norm,
+                layer.gate_up,
+                layer.down,
+            )
+            for layer in self.layers
+        ]
         #: The LoRA adapters requests may run with, by name (`models/lora.py`).
         self.adapters: dict[str, LoraAdapter] = {}
         self.released = False
@@ -160,8 +177,6 @@ class LlamaModel:
     ) -> torch.Tensor:
         if self.released:
             raise RuntimeError("this copy of the model released its weights (release_weights)")
-        c = self.config
-        eps = c.rms_norm_eps
         batch = LayerBatch(
             F.embedding(input_ids, self.embed),
             self.cos[positions].to(self.dtype),
@@ -170,73 +185,106 @@ class LlamaModel:
             lora=lora,
         )
         between = _between(checkpoint, slicer)
-
-        def linear(weights: Linear, x: torch.Tensor) -> torch.Tensor:
-            return slicer(weights, x, between) if slicer is not None else weights(x)
-
-        for index, layer in enumerate(self.layers):
-            x = rms_norm(batch.hidden, layer.input_norm, eps)
-            batch.qkv = linear(layer.qkv, x)
-            if batch.lora is not None:
-                batch.lora.apply(index, "qkv", x, batch.qkv)
-            if checkpoint is not None:
-                checkpoint(batch)  # the last one before this layer's KV blocks are touched
-            hidden, qkv, cos, sin = batch.hidden, batch.qkv, batch.cos, batch.sin
-            batch.qkv = None
-            num_tokens = hidden.shape[0]
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-                q = rms_norm(q.view(num_tokens, c.num_heads, c.head_dim), layer.q_norm, eps)
-                k = rms_norm(k.view(num_tokens, c.num_kv_heads, c.head_dim), layer.k_norm, eps)
-                qk = torch.cat([q, k], dim=1)
-            # q and k heads rotated together: one set of ops for both (on the CPU, one
-            # pass that also writes k and v into the cache).
-            qk = qk.view(num_tokens, -1, c.head_dim)
-            keys, values = kv_cache.keys[index], kv_cache.values[index]
-            written = rope_and_cache(qk, v, cos, sin, batch.meta.slot_mapping, keys, values)
-            if not written:
-                qk = apply_rotary(qk, cos, sin)
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            attended = paged_attention(
-                q,
-                k,
-                v,
-                keys,
-                values,
-                batch.meta,
-                self.scale,
-                written=written,
-                slicing=slicer,
-                between=between,
-            )
-            if between is not None:
-                between()
-            projected = linear(layer.o_proj, attended)
-            if batch.lora is not None:
-                batch.lora.apply(index, "o_proj", attended, projected)
-            batch.hidden = hidden + projected
+        fused = self._fused_layers(batch, slicer)
+        for index, (layer, compiled) in enumerate(zip(self.layers, fused, strict=True)):
+            caches = kv_cache.keys[index], kv_cache.values[index]
+            if compiled is not None:
+                if checkpoint is not None:
+                    checkpoint(batch)  # before the layer's KV blocks are touched
+                compiled.run(batch.hidden, batch.cos, batch.sin, batch.meta, caches, self.shape)
+                continue
+            self._attention_block(index, layer, batch, caches, checkpoint, slicer)
             if checkpoint is not None:
                 checkpoint(batch)  # halfway through the layer: the MLP is half its time
-            hidden = batch.hidden
-            x = rms_norm(hidden, layer.post_norm, eps)
-            if batch.lora is not None and batch.lora.adapts(index, "gate_up", "down"):
-                # The adapted MLP unfused: each adapter adds to gate/up before the
-                # activation and to down after it.
-                gate_up = batch.lora.apply(index, "gate_up", x, linear(layer.gate_up, x))
-                activated = silu_and_mul(gate_up)
-                down = batch.lora.apply(index, "down", activated, linear(layer.down, activated))
-                batch.hidden = hidden + down
-            elif slicer is not None:
-                batch.hidden = slicer.gated_mlp(layer.gate_up, layer.down, x, hidden, between)
-            else:
-                batch.hidden = hidden + layer.down(silu_and_mul(layer.gate_up(x)))
+            self._mlp_block(index, layer, batch, slicer, between)
             if between is not None and index + 1 < len(self.layers):
                 between()  # (after the last layer, the checkpoint below follows at once)
         if checkpoint is not None:
             checkpoint(batch)  # the rows returned are those still wanted
-        return rms_norm(batch.hidden, self.final_norm, eps)
+        return rms_norm(batch.hidden, self.final_norm, self.config.rms_norm_eps)
+
+    def _fused_layers(
+        self, batch: LayerBatch, slicer: LinearSlicer | None
+    ) -> list[fused_layer.FusedLayer | None]:
+        """Each layer's compiled form where this step runs it in one call
+        (`kernels/fused_layer.py`; with `slicer`, where a whole layer fits in the
+        checkpoint gap), else None: the step-by-step blocks."""
+        if batch.lora is not None:
+            return [None] * len(self.layers)
+        rows = batch.hidden.shape[0]
+        fits = None if slicer is None else (lambda linears: slicer.within_target(linears, rows))
+        return fused_layer.choose(self.fused, batch.meta, batch.hidden, fits)
+
+    def _attention_block(
+        self,
+        index: int,
+        layer: LayerWeights,
+        batch: LayerBatch,
+        caches: tuple[torch.Tensor, torch.Tensor],
+        checkpoint: Checkpoint | None,
+        slicer: LinearSlicer | None,
+    ) -> None:
+        """`batch.hidden += o_proj(attention(qkv(rms_norm(hidden))))`, writing the
+        layer's K/V into its cache blocks (`caches`)."""
+        c, eps = self.config, self.config.rms_norm_eps
+        between = _between(checkpoint, slicer)
+        x = rms_norm(batch.hidden, layer.input_norm, eps)
+        batch.qkv = _linear(layer.qkv, x, slicer, between)
+        if batch.lora is not None:
+            batch.lora.apply(index, "qkv", x, batch.qkv)
+        if checkpoint is not None:
+            checkpoint(batch)  # the last one before this layer's KV blocks are touched
+        hidden, qkv, cos, sin = batch.hidden, batch.qkv, batch.cos, batch.sin
+        batch.qkv = None
+        num_tokens = hidden.shape[0]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q = rms_norm(q.view(num_tokens, c.num_heads, c.head_dim), layer.q_norm, eps)
+            k = rms_norm(k.view(num_tokens, c.num_kv_heads, c.head_dim), layer.k_norm, eps)
+            qk = torch.cat([q, k], dim=1)
+        # q and k heads rotated together: one set of ops for both (on the CPU, one
+        # pass that also writes k and v into the cache).
+        qk = qk.view(num_tokens, -1, c.head_dim)
+        keys, values = caches
+        written = rope_and_cache(qk, v, cos, sin, batch.meta.slot_mapping, keys, values)
+        if not written:
+            qk = apply_rotary(qk, cos, sin)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        attended = paged_attention(
+            q, k, v, keys, values, batch.meta, self.scale,
+            written=written, slicing=slicer, between=between,
+        )  # fmt: skip
+        if between is not None:
+            between()
+        projected = _linear(layer.o_proj, attended, slicer, between)
+        if batch.lora is not None:
+            batch.lora.apply(index, "o_proj", attended, projected)
+        batch.hidden = hidden + projected
+
+    def _mlp_block(
+        self,
+        index: int,
+        layer: LayerWeights,
+        batch: LayerBatch,
+        slicer: LinearSlicer | None,
+        between: Callable[[], None] | None,
+    ) -> None:
+        """`batch.hidden += down(silu(gate) * up)(rms_norm(hidden))`."""
+        hidden = batch.hidden
+        x = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
+        if batch.lora is not None and batch.lora.adapts(index, "gate_up", "down"):
+            # The adapted MLP unfused: each adapter adds to gate/up before the
+            # activation and to down after it.
+            gate_up = _linear(layer.gate_up, x, slicer, between)
+            activated = silu_and_mul(batch.lora.apply(index, "gate_up", x, gate_up))
+            down = _linear(layer.down, activated, slicer, between)
+            batch.hidden = hidden + batch.lora.apply(index, "down", activated, down)
+        elif slicer is not None:
+            batch.hidden = slicer.gated_mlp(layer.gate_up, layer.down, x, hidden, between)
+        else:
+            batch.hidden = hidden + layer.down(silu_and_mul(layer.gate_up(x)))
 
     def logits(
         self,
@@ -264,7 +312,7 @@ class LlamaModel:
     def release_weights(self) -> None:
         """Free every weight (a model worker process holds its own copy); this copy
         cannot run a forward again."""
-        self.layers = []
+        self.layers, self.fused = [], []
         self.embed = self.final_norm = self.cos = self.sin = torch.empty(0, dtype=self.dtype)
         self.lm_head = Linear(self.embed)
         self.adapters = {}
@@ -303,3 +351,13 @@ def _between(
     if checkpoint is None or slicer is None:
         return None
     return lambda: checkpoint(None)
+
+
+def _linear(
+    weights: Linear,
+    x: torch.Tensor,
+    slicer: LinearSlicer | None,
+    between: Callable[[], None] | None,
+) -> torch.Tensor:
+    """`weights(x)`, in column pieces with `between()` after each where `slicer` cuts it."""
+    return slicer(weights, x, between) if slicer is not None else weights(x)

@@ -151,6 +151,15 @@ class LinearSlicer:
             return wanted, whole
         return most, row_ranges(rows, min(math.ceil(wanted / most), padded // MIN_ROWS))
 
+    def within_target(self, linears: list[Linear], rows: int) -> bool:
+        """Whether `linears` run back to back at `rows` rows, with no checkpoint
+        between them, are expected to take at most `target` (a fused layer)."""
+        if any(linear.device.type != "cpu" for linear in linears):
+            return False
+        padded = bucket_rows(rows)
+        costs = (self.cost(linear) for linear in linears)
+        return sum(a + b * padded for a, b in costs) <= self.target
+
     def attention_parts(self, path: str, keys: int) -> int:
         """How many pieces a prefill's attention over `keys` keys in all (its rows'
         keys summed) is cut into on `path`: one until a piece on it was timed."""

@@ -32,6 +32,7 @@
 #include <functional>
 #include <optional>
 #include <type_traits>
+#include "ops.h"
 
 namespace {
 
@@ -340,6 +341,22 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace
+
+// The entry points ops.h declares, for the library's other files.
+void kvscope_ops::rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                           double eps) {
+  ::rms_norm(out, x, weight, eps);
+}
+void kvscope_ops::silu_and_mul(at::Tensor out, const at::Tensor& x) { ::silu_and_mul(out, x); }
+void kvscope_ops::rope_and_cache(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos,
+                                 const at::Tensor& sin, const at::Tensor& slots,
+                                 at::Tensor key_cache, at::Tensor value_cache) {
+  ::rope_and_cache(qk, v, cos, sin, slots, key_cache, value_cache);
+}
+void kvscope_ops::small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias) {
+  ::small_linear(out, x, weight, bias);
+}
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");

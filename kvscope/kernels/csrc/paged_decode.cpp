@@ -46,6 +46,7 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+#include "ops.h"
 
 namespace {
 
@@ -784,6 +785,14 @@ std::string paged_decode_isa() {
 }
 
 }  // namespace
+
+// The entry points ops.h declares, for the library's other files.
+void kvscope_ops::paged_decode(at::Tensor out, const at::Tensor& query,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens,
+                               double scale) {
+  ::paged_decode(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+}
 
 TORCH_LIBRARY(kvscope, m) {
   m.def(

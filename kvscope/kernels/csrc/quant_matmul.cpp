@@ -35,6 +35,7 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+#include "ops.h"
 
 #if defined(__AVX2__)
 #define KVSCOPE_QUANT_SIMD 1
@@ -481,6 +482,13 @@ void quant_dequantize(at::Tensor out, const at::Tensor& data, const std::string&
 }
 
 }  // namespace
+
+// The entry points ops.h declares, for the library's other files.
+void kvscope_ops::quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& data,
+                               const std::string& qtype, int64_t k,
+                               const std::optional<at::Tensor>& bias) {
+  ::quant_linear(out, x, data, qtype, k, bias);
+}
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor data, str qtype, int in_features, Tensor? bias) -> ()");
