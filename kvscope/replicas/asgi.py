@@ -9,7 +9,8 @@ hands every HTTP and WebSocket call to it. On shutdown it drains like the single
 server on SIGTERM: refuse new work, let live requests run for `drain_timeout`, cancel
 the rest with reason `shutdown`, wait until every stream sent its last event, close.
 
-What it adds in front of the Quart app, knowing it is one of several replicas:
+What it adds in front of the Quart app, knowing it is one of several replicas (the
+calls that concern other replicas are `among_peers.py`'s):
 
 * an id in the path (`/requests/{id}`) that another replica generated reaches this one
   only when Serve no longer routes to its owner (the router sends every other one
@@ -33,13 +34,9 @@ What it adds in front of the Quart app, knowing it is one of several replicas:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import time
-from collections.abc import AsyncGenerator
-from contextlib import AbstractAsyncContextManager, aclosing
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -51,65 +48,29 @@ from kvscope.web.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 from kvscope.web.stats_log import log_stats
 
+from .among_peers import AmongPeers, Peers, tagged
 from .direct import DirectHosts, DirectListener
-from .ids import REPLICA_HEADER, path_id, routing_key
-from .merge import merge_metrics, merge_stats
+from .ids import REPLICA_HEADER
 from .messages import (
     Message,
     Receive,
     Send,
     call_timeout,
-    capture,
     error_body,
     is_forwarded,
     json_answer,
-    parent_owner,
-    read_body,
-    replay,
-    replay_body,
 )
 from .stopping import serve_stopping
 from .wschildren import ChildForwarder
 
 log = logging.getLogger("kvscope.replicas")
 
-#: The routes whose answer gathers every replica's own (unless one is named).
-GATHERED = ("/stats", "/metrics", "/requests")
 #: How long a call cut by Serve may take to close (its final cleanup is synchronous).
 DISCONNECT_GRACE = 5.0
 #: How early, at most, a cut call counts as timed out (see `__call__`).
 TIMEOUT_SLACK = 0.25
 #: How often a replica looks whether Serve began stopping it (a flag read).
 STOPPING_POLL = 0.2
-
-
-class Peers(Protocol):
-    """Every replica of the deployment, as this one reaches them (through Serve)."""
-
-    async def each(self, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, bytes]:
-        """Replica name -> the body of its own `GET path`, for every replica that answers."""
-        ...
-
-    def forward(
-        self, replica: str, scope: Message, body: bytes, via: str | None = None
-    ) -> AsyncGenerator[Message, None]:
-        """Make the HTTP call (`scope`, `body`) on `replica`; its ASGI messages as they
-        come. Through Serve, or `via` the replica's direct address; one that cannot be
-        reached raises `ConnectionError` before any message."""
-        ...
-
-    async def reach(self, replica: str) -> str | None:
-        """`replica`'s direct address (see `direct`), or None if it published none."""
-        ...
-
-    async def publish(self, replica: str, address: str | None) -> bool:
-        """Publish a replica's direct address (None withdraws it); False if that could
-        not be done (best effort: never raises)."""
-        ...
-
-    def connect(self, replica: str, scope: Message) -> AbstractAsyncContextManager[Any]:
-        """Open the WebSocket of `scope` on `replica` (a `websockets` connection)."""
-        ...
 
 
 class ReplicaApp:
@@ -134,6 +95,7 @@ class ReplicaApp:
         self.ctx: ServerContext | None = None
         self._draining = anyio.Lock()
         self._app: Any = None
+        self._among_peers = AmongPeers(replica, peers, lambda: self._app, self._call_app)
 
     def load(self) -> dict[str, int]:
         """This replica's load, for the router: its engine's live requests."""
@@ -157,9 +119,9 @@ class ReplicaApp:
             slack = min(TIMEOUT_SLACK, timeout / 10)
             call_deadline.set(time.monotonic() + timeout - slack)
         if scope["type"] == "http":
-            if await self._answer_here(scope, receive, send):
+            if await self._among_peers.answer_here(scope, receive, send):
                 return
-            send = self._tagged(send)
+            send = tagged(send, self.replica)
         elif not is_forwarded(scope):
             # A body naming a parent on another replica runs there (see wschildren).
             children = ChildForwarder(self.replica, self.peers, scope, receive, send)
@@ -295,121 +257,6 @@ class ReplicaApp:
             await engine.wait_idle()
             await ctx.wait_streams_closed()
         log.info("replica %s drained: %s", self.replica, engine.stats())
-
-    # -- what a replica among several answers itself -------------------------------------------
-
-    async def _answer_here(self, scope: Message, receive: Receive, send: Send) -> bool:
-        path, method = scope["path"], scope["method"]
-        target = routing_key(path, scope.get("query_string", b""), scope.get("headers", ()))
-        named = path_id(path)
-        if named is not None and target not in (None, self.replica):
-            if not is_forwarded(scope) and await self._forward_direct(target, scope, receive, send):
-                return True
-            what = "response" if named.startswith("resp_") else "request"
-            message = (
-                f"no {what} {named!r}: it belongs to replica {target}, which is not "
-                "running (it died or was replaced, and its requests with it)"
-            )
-            await json_answer(send, 404, error_body(message, "not_found_error"))
-            return True
-        if method == "GET" and path in GATHERED and target is None:
-            await self._aggregate(path, scope, receive, send)
-            return True
-        if method == "GET" and path == "/stats":  # this replica's own, named
-            answer = await capture(self._app, scope, receive)
-            if answer["status"] != 200:
-                await replay(answer["messages"], send)
-            else:
-                stats = json.loads(answer["body"])
-                stats.update(replica=self.replica, pid=os.getpid())
-                await json_answer(self._tagged(send), 200, stats)
-            return True
-        if method == "POST" and path in ("/generate", "/v1/responses"):
-            return await self._forward_to_parent(scope, receive, send)
-        return False
-
-    async def _aggregate(self, path: str, scope: Message, receive: Receive, send: Send) -> None:
-        # Authentication first: the local app answers 401 for a bad key.
-        probe = await capture(self._app, {**scope}, receive)
-        if probe["status"] != 200:
-            await replay(probe["messages"], send)
-            return
-        auth = [(k, v) for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
-        bodies = await self.peers.each(path, auth)
-        if path == "/stats":
-            await json_answer(send, 200, merge_stats({r: json.loads(b) for r, b in bodies.items()}))
-        elif path == "/requests":
-            live = [item for body in bodies.values() for item in json.loads(body)["requests"]]
-            await json_answer(send, 200, {"requests": live})
-        else:
-            text = merge_metrics({r: b.decode() for r, b in bodies.items()})
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
-                }
-            )
-            await send({"type": "http.response.body", "body": text.encode()})
-
-    async def _forward_direct(
-        self, owner: str, scope: Message, receive: Receive, send: Send
-    ) -> bool:
-        """A call for `owner`'s request that Serve did not route there: `owner` is
-        draining (or gone). Forward it to `owner`'s direct address; False if `owner`
-        published none or cannot be reached (it is gone)."""
-        address = await self.peers.reach(owner)
-        if address is None:
-            return False
-        body = await read_body(receive)
-        if body is None:
-            return True  # the client left
-        try:
-            async with aclosing(self.peers.forward(owner, scope, body, via=address)) as messages:
-                async for message in messages:
-                    await send(message)
-        except ConnectionError as exc:
-            log.info("replica %s is gone (nothing at %s): %r", owner, address, exc)
-            await self.peers.publish(owner, None)  # it died without withdrawing it
-            return False
-        return True
-
-    async def _forward_to_parent(self, scope: Message, receive: Receive, send: Send) -> bool:
-        body = await read_body(receive)
-        if body is None:
-            return True
-        owner = parent_owner(body)
-        forwarded = is_forwarded(scope)
-        # A forwarded call runs here even if this is not (or no longer) the owner: the
-        # engine then answers 404 for the parent, and nothing is forwarded twice.
-        if owner is None or owner == self.replica or forwarded:
-            await self._call_app(scope, replay_body(body, receive), self._tagged(send))
-            return True
-        # Closed in this task however the loop ends: a cancelled call (the client went
-        # away) closes the forward's connection, which the owner sees as a disconnect.
-        async with aclosing(self.peers.forward(owner, scope, body)) as messages:
-            async for message in messages:
-                await send(message)
-        return True
-
-    def _tagged(self, send: Send) -> Send:
-        """Responses say which replica answered (`X-Kvscope-Replica`) and repeat the
-        kvscope id in `X-Kvscope-Request-Id` (as it was before `X-Request-Id` carried
-        it alone through Serve's proxy)."""
-
-        async def send_tagged(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                headers.append((REPLICA_HEADER.encode(), self.replica.encode()))
-                headers += [
-                    (b"x-kvscope-request-id", value)
-                    for name, value in message.get("headers", [])
-                    if name.lower() == b"x-request-id"
-                ]
-                message = {**message, "headers": headers}
-            await send(message)
-
-        return send_tagged
 
 
 __all__ = ["REPLICA_HEADER", "Peers", "ReplicaApp"]

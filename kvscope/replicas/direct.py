@@ -9,7 +9,7 @@ cancel was lost, and the request ran on until the drain cut it. So every replica
 serves its app on a listener of its own (`DirectListener`: the node's address, any
 free port) and publishes that address in Ray's internal key-value store for as long as
 it serves (`Directory`). A replica that receives a call for an id it does not own
-forwards it to the owner's address (`ReplicaApp._answer_here`). A replica that died
+forwards it to the owner's address (`AmongPeers.answer_here`). A replica that died
 serves nothing there: the forward cannot connect, and the answer is the 404 that says
 the owner is gone.
 """
