@@ -131,10 +131,8 @@ WEB_INTERNAL_IMPORTS = {
     "web/openai_stream.py": 1,
     "web/response_view.py": 2,
     "web/responses_format.py": 1,
-    # readiness (`waiting_for`) and RequestState: a public statistics object.
-    "web/engine_gauges.py": 1,
+    # RequestState (the release hook's argument): a public, frozen view of it.
     "web/metrics.py": 1,
-    "web/observability.py": 1,
     # GENERATION_DEFAULTED: a public name for the generation-config defaults.
     "web/openai_schemas.py": 1,
     "web/responses_schemas.py": 1,

@@ -35,6 +35,7 @@ from .handles import DeltaStream, Job, Request
 from .lifecycle import Actors, Ledger, run_request
 from .messages import CancelReport, Completion, RequestInfo, RequestStatus, StepStatistics
 from .parts import Parts, load_parts, run_worker
+from .readiness import waiting_for
 from .registry import Registry
 from .request import RequestState
 from .request_views import info_of
@@ -273,6 +274,14 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         return engine_stats(self._actors)
+
+    def waiting_for(self, stats: dict[str, int] | None = None) -> tuple[str, ...]:
+        """What it still waits for before it serves at full speed (`readiness.py`: a
+        kernel build, the model worker's start, the warm-up); empty once it does.
+        `stats`: this engine's `stats()`, where the caller has them already."""
+        return waiting_for(
+            self.device, self.config.worker, self.stats() if stats is None else stats
+        )
 
     def step_statistics(self) -> StepStatistics:
         """What the step actor is doing: steps, aborted steps, preemptions, and which

@@ -17,7 +17,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvscope import Engine
-from kvscope.actors.readiness import waiting_for
 
 Family = GaugeMetricFamily | CounterMetricFamily
 
@@ -59,7 +58,7 @@ class EngineGauges(Collector):
         yield adapters
 
     def _server(self, stats: dict[str, Any]) -> Iterator[Family]:
-        warming = waiting_for(self._engine.device, self._engine.config.worker, stats)
+        warming = self._engine.waiting_for(stats)
         yield GaugeMetricFamily(
             "kvscope_ready",
             "1 once the server serves at full speed; 0 while a kernel build, the model"

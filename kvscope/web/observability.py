@@ -19,8 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Blueprint, Response
 from quart_schema import document_response
 
-from kvscope.actors.readiness import waiting_for
-
 from .context import ServerContext, server
 from .schemas import Health, Readiness, Stats
 
@@ -84,5 +82,5 @@ async def ready() -> Any:
 
 def _readiness(ctx: ServerContext, stats: dict[str, int]) -> dict[str, Any]:
     engine = ctx.engine
-    warming = waiting_for(engine.device, engine.config.worker, stats)
+    warming = engine.waiting_for(stats)
     return {"readiness": "warming" if warming else "ready", "warming": list(warming)}
