@@ -81,7 +81,7 @@ class Completion:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     #: The prompt's embedding, for a request with `embed` that was not cut short.
     embedding: tuple[float, ...] | None = None
-    #: A beam's cumulative log-probability (`Engine.beam_search`).
+    #: A beam's cumulative log-probability (`kvscope.beam_search`).
     cumulative_logprob: float | None = None
 
     @property
