@@ -85,7 +85,6 @@ LONG_MODULES = {
     "kernels/attention.py": 611,  # torch references / metadata / backend choice apart
     "kernels/cpu_decode.py": 584,  # library loader, self-checks, fast paths apart
     "kernels/sampling.py": 356,  # logprobs apart from the sampler
-    "models/llama.py": 370,  # attention and MLP blocks out of the model
     "models/loader.py": 518,  # one module a checkpoint format
     "models/runner.py": 386,  # to the execution package, behind a Runner protocol
     "models/slicing.py": 397,  # to the execution package

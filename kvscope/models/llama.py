@@ -38,13 +38,13 @@ from kvscope.kernels import fused_layer, linear
 from kvscope.kernels.attention import AttentionMetadata, paged_attention
 from kvscope.kernels.fused import rms_norm, rope_and_cache, silu_and_mul
 from kvscope.kernels.linear import Linear
-from kvscope.kernels.quantized import QuantizedWeight, concat_rows, dequantize
+from kvscope.kernels.quantized import QuantizedWeight
 
 from .config import ModelConfig
 from .lora import LoraAdapter, LoraRows
 from .rope import apply_rotary, rotary_tables
 from .slicing import LinearSlicer
-from .weights import Weight, check_weights
+from .weights import Weight, WeightReader, check_weights
 
 
 class StepAborted(Exception):
@@ -78,6 +78,10 @@ class LayerWeights:
     gate_up: Linear  # gate and up fused
     down: Linear
 
+    def fusable(self) -> tuple[torch.Tensor, Linear, Linear, torch.Tensor, Linear, Linear]:
+        """What `kernels.fused_layer.fused_layer` takes, in its order."""
+        return self.input_norm, self.qkv, self.o_proj, self.post_norm, self.gate_up, self.down
+
 
 class LlamaModel:
     def __init__(
@@ -100,21 +104,8 @@ class LlamaModel:
 
         check_weights(config, weights)
 
-        def take(name: str) -> torch.Tensor:
-            weight = weights[name]
-            if isinstance(weight, QuantizedWeight):
-                return dequantize(weight, torch.float32).to(device=device, dtype=dtype)
-            return weight.to(device=device, dtype=dtype)
-
-        def linear_of(*names: str, bias: torch.Tensor | None = None) -> Linear:
-            parts = [weights[name] for name in names]
-            if all(isinstance(part, QuantizedWeight) for part in parts):
-                fused = _stacked([part for part in parts if isinstance(part, QuantizedWeight)])
-                if fused is not None:
-                    on_device = attrs.evolve(fused, data=fused.data.to(device))
-                    return Linear(on_device, bias, activation_dtype=dtype)
-            return Linear(torch.cat([take(name) for name in names]), bias)
-
+        read = WeightReader(weights, dtype, device)
+        take, linear_of = read.tensor, read.linear
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
@@ -146,16 +137,7 @@ class LlamaModel:
         #: Each layer in one compiled call for decode steps, where it can be
         #: (`kernels/fused_layer.py`); None where it cannot (q/k norms: Qwen3).
         self.fused = [
-            None
-            if layer.q_norm is not None
-            else fused_layer.fused_layer(
-                layer.input_norm,
-                layer.qkv,
-                layer.o_proj,
-                layer.post_norm,
-                layer.gate_up,
-                layer.down,
-            )
+            None if layer.q_norm is not None else fused_layer.fused_layer(*layer.fusable())
             for layer in self.layers
         ]
         #: The LoRA adapters requests may run with, by name (`models/lora.py`).
@@ -336,12 +318,6 @@ class LlamaModel:
             ]
         tensors += [t for adapter in self.adapters.values() for t in adapter.tensors()]
         return list({id(t): t for t in tensors}.values())
-
-
-def _stacked(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """Quantized weights of one block type as one (their rows in turn); None where
-    their types differ."""
-    return concat_rows(parts) if len({part.qtype for part in parts}) == 1 else None
 
 
 def _between(

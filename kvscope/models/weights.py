@@ -1,19 +1,24 @@
 """A checkpoint's tensors against its config: the name and shape of each tensor the
 Llama-family decoder (`models/llama.py`) takes, checked before any is copied. A
-tensor may be a plain tensor or a `QuantizedWeight` (its logical shape counts)."""
+tensor may be a plain tensor or a `QuantizedWeight` (its logical shape counts).
+`WeightReader` hands them to the decoder in its dtype and on its device: a matrix kept
+quantized where its partners in a fused linear share its block type, dequantized where
+they do not."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import attrs
 import torch
 
-from kvscope.kernels.quantized import QuantizedWeight
+from kvscope.kernels.linear import Linear
+from kvscope.kernels.quantized import QuantizedWeight, concat_rows, dequantize
 
 from .config import ModelConfig
 from .errors import ModelLoadError
 
-__all__ = ["Weight", "check_weights", "expected_shapes"]
+__all__ = ["Weight", "WeightReader", "check_weights", "expected_shapes"]
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -65,3 +70,30 @@ def check_weights(config: ModelConfig, weights: Mapping[str, Weight]) -> list[st
                 f"tensor {name!r} has shape {actual}, but config.json implies {shape}"
             )
     return [name for name in weights if name not in expected and name != "lm_head.weight"]
+
+
+class WeightReader:
+    """A checkpoint's tensors as the decoder holds them (`dtype`, `device`)."""
+
+    def __init__(
+        self, weights: Mapping[str, Weight], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.weights, self.dtype, self.device = weights, dtype, device
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor `name`, dequantized if it is quantized."""
+        weight = self.weights[name]
+        if isinstance(weight, QuantizedWeight):
+            return dequantize(weight, torch.float32).to(device=self.device, dtype=self.dtype)
+        return weight.to(device=self.device, dtype=self.dtype)
+
+    def linear(self, *names: str, bias: torch.Tensor | None = None) -> Linear:
+        """The matrices `names` fused into one linear layer (their rows in turn): kept
+        quantized where all are quantized in one block type."""
+        parts = [self.weights[name] for name in names]
+        quantized = [part for part in parts if isinstance(part, QuantizedWeight)]
+        if len(quantized) == len(parts) and len({part.qtype for part in quantized}) == 1:
+            fused = concat_rows(quantized)
+            on_device = attrs.evolve(fused, data=fused.data.to(self.device))
+            return Linear(on_device, bias, activation_dtype=self.dtype)
+        return Linear(torch.cat([self.tensor(name) for name in names]), bias)

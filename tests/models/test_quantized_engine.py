@@ -20,6 +20,7 @@ import anyio
 import pytest
 
 from kvscope import BeamSearchParams
+from kvscope.beam_search import beam_search
 from kvscope.kernels.quantized import DOT_ROWS
 
 from .gguf_files import Q, convert_checkpoint
@@ -99,7 +100,7 @@ async def test_beams_guides_and_embeddings(
 ) -> None:
     ids = prompts(checkpoints("llama"))[0]
     async with open_engine(str(q41_file), **STEP) as engine:
-        beams = await engine.beam_search(ids, BeamSearchParams(beam_width=3, max_tokens=6))
+        beams = await beam_search(engine, ids, BeamSearchParams(beam_width=3, max_tokens=6))
         picked = await engine.generate(ids, guided_choice=["alpha", "beta"], max_tokens=10)
         embedded = await engine.generate(ids, embed=True)
     assert len(beams) == 3 and all(b.cumulative_logprob is not None for b in beams)
