@@ -4,7 +4,9 @@ bit, for quantized weights (GGUF files of two block types, with Qwen2's q/k/v bi
 1 to `DOT_ROWS` rows and for bfloat16 weights where `small_linear` serves (1 and 2
 rows); a row that leaves the batch at a fused layer's checkpoint leaves the others'
 logits as they are alone; a step the fused layers do not take (a prefill chunk, more
-rows than their kernels) runs step by step.
+rows than their kernels) runs step by step. Through the engine, with the fused layers
+serving: sequences batched beside cancelled ones decode what they decode alone, and
+every block is freed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -25,6 +28,7 @@ from kvscope.models.loader import load_model
 
 from .gguf_files import Q, convert_checkpoint
 from .test_parity import prompts
+from .test_quantized_engine import STEP, q41_file  # noqa: F401 (the fixture)
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -173,3 +177,45 @@ def test_a_row_leaving_at_a_fused_layer_leaves_the_others_exact(
     logits = dropping.step([(0, [7]), (1, [8]), (2, [9])], checkpoint)
     assert calls[:3] == [3, 3, 2] and len(logits) == 2
     assert torch.equal(logits, alone.step([(0, [7]), (2, [9])]))
+
+
+@pytest.mark.anyio
+async def test_cancelled_beside_fused_steps_leave_the_rest_as_alone(
+    q41_file: Path,  # noqa: F811 (the fixture)
+    checkpoints: Any,
+    open_engine: Any,
+) -> None:
+    """Four greedy streams and two cancelled while they decode, in decode steps of up
+    to six rows that the fused layers take, in the model's own thread: each stream's
+    tokens are those it decodes alone; `open_engine` checks that no block leaked."""
+    ids_list = prompts(checkpoints("llama"))
+    options = {**STEP, "worker": "thread"}
+    async with open_engine(str(q41_file), **options) as engine:
+        model = engine.loaded.model
+        assert all(layer is not None for layer in model.fused)
+        assert fused_layer.decode_layer_op(model.fused[0]) is not None, "the fused op serves"
+        alone = []
+        for ids in ids_list:
+            out = await engine.generate(ids, temperature=0, max_tokens=12, ignore_eos=True)
+            alone.append(list(out.token_ids))
+        victims = [
+            await engine.submit(ids[::-1], temperature=0, max_tokens=400, ignore_eos=True)
+            for ids in ids_list[:2]
+        ]
+        jobs = [
+            await engine.submit(ids, temperature=0, max_tokens=12, ignore_eos=True)
+            for ids in ids_list
+        ]
+        for victim in victims:
+            seen = 0
+            async for _delta in engine.watch(victim.id):
+                seen += 1
+                if seen == 3:  # decoding beside the others by now
+                    break
+            report = await engine.cancel(victim.id)
+            assert report.found and report.blocks_released > 0
+        with anyio.fail_after(120):
+            done = [await job.wait() for job in jobs]
+            cancelled = [await victim.wait() for victim in victims]
+    assert [c.finish_reason for c in cancelled] == ["cancelled", "cancelled"]
+    assert [list(c.token_ids) for c in done] == alone
