@@ -120,16 +120,17 @@ def library_path(cxx: str, sources: Sequence[Path]) -> Path:
     return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
 
 
-def compile_library(command: list[str], path: Path, started: list[subprocess.Popen[str]]) -> str:
-    """Run the compiler `command` (whose output is replaced by a private file), then
-    rename the result to `path`; "" once done, else why not. The running compiler is
-    appended to `started` so that its owner can stop it."""
+def compile_library(
+    cxx: str, sources: Sequence[Path], path: Path, started: list[subprocess.Popen[str]]
+) -> str:
+    """Build `sources` for this machine into `path`; "" once done, else why not. The
+    running compiler is appended to `started` so that its owner can stop it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Build under a private name, then rename: concurrent builds never see half a file.
         fd, tmp = tempfile.mkstemp(prefix=BUILDING_PREFIX, suffix=".so", dir=path.parent)
         os.close(fd)
-        command = [*command[: command.index("-o") + 1], tmp, *command[command.index("-o") + 2 :]]
+        command = build_command(cxx, sources, Path(tmp))
         # Its own process group, so that `stop_build` stops the compiler's children too.
         with subprocess.Popen(
             command,
@@ -154,16 +155,15 @@ class BackgroundBuild:
     """One build of the library into the cache, stopped if this process exits first."""
 
     def __init__(self, cxx: str, sources: Sequence[Path]) -> None:
-        self.cxx = cxx
+        self.cxx, self.sources = cxx, sources
         self.path = library_path(cxx, sources)
-        self.command = build_command(cxx, sources, self.path)
         self._processes: list[subprocess.Popen[str]] = []
 
     def run(self) -> tuple[str, float]:
         """Build (in the calling thread); ("", seconds) once done, else (why not, 0)."""
         started = time.perf_counter()
         atexit.register(self.stop)
-        why_not = compile_library(self.command, self.path, self._processes)
+        why_not = compile_library(self.cxx, self.sources, self.path, self._processes)
         if why_not:
             return why_not, 0.0
         prune_builds(self.path)

@@ -79,3 +79,12 @@ def test_libraries_of_changed_sources_are_refused(tmp_path) -> None:
     manifest_path.write_text(json.dumps({**manifest, "digest": "an older csrc"}))
     why = prebuilt.choose(SOURCES, tmp_path, cpu_flags=AVX512_BF16)
     assert why == "the prebuilt libraries were built from other sources (csrc changed)"
+
+
+def test_a_source_tree_serves_a_build_of_its_own(cpu_library) -> None:
+    """No package build ran here (the tests run from the source tree), so no prebuilt
+    library exists and the run-time build serves, and says so."""
+    assert prebuilt.choose(SOURCES) == (
+        f"no prebuilt library in {prebuilt.PREBUILT_DIR} (a source tree or an editable install)"
+    )
+    assert cpu_library.library == "built here"
