@@ -538,18 +538,18 @@ def block_major_cache(device: torch.device) -> bool:
     """Whether the K/V cache on `device` is stored block-major ([blocks, slots, kv_heads,
     dim]) rather than head-major ([kv_heads, blocks, slots, dim]), for the kernels that
     will read it: block-major for Ascend's fused kernels, and on the CPU wherever the
-    compiled library can be built (its kernels take either; a step's scattered writes
-    and the decode's block reads then touch one page for all of a slot's heads instead
-    of one page per head: a decode step of 32 rows of the reference model ~12 % quicker,
-    prefill the same); head-major for the torch reference, whose gather is one
+    compiled library is expected, prebuilt or built here (its kernels take either; a
+    step's scattered writes and the decode's block reads then touch one page for all
+    of a slot's heads instead of one page per head: a decode step of 32 rows of the
+    reference model ~12 % quicker, prefill the same); head-major for the torch reference, whose gather is one
     `index_select` per head there (block-major, 60 % slower), and for Triton."""
     if device.type == "npu":
         return True
     if device.type != "cpu" or os.environ.get("KVSCOPE_ATTENTION", "auto") == "reference":
         return False
-    from .cpu_decode import compiler
+    from .cpu_decode import library_expected
 
-    return compiler() is not None
+    return library_expected()
 
 
 @cache

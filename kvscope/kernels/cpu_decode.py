@@ -64,6 +64,12 @@ Fallback = Callable[
 ]
 
 
+def library_expected() -> bool:
+    """Whether this process is expected to serve on the compiled library: a prebuilt one
+    fits this CPU and torch, or a compiler can build it."""
+    return not isinstance(prebuilt.choose(SOURCES), str) or compiler() is not None
+
+
 class CpuKernel:
     """The build and load of the shared library, at most once per process."""
 
