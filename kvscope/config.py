@@ -67,7 +67,8 @@ class EngineConfig:
     #: Token budget of one step (decode tokens + prefill chunks). The checkpoint gap,
     #: not the step, bounds a cancel's wait; the step bounds how long a prompt that
     #: arrives during it waits. Served on the 2-core machine, 32 streams of 256-token
-    #: prompts, alternating runs (session 19): 1,536 gave TTFT p50 206-242 ms and
+    #: prompts, alternating runs (docs/benchmarks/README.md, "Measured settings": a
+    #: step budget of 1,536 tokens): 1,536 gave TTFT p50 206-242 ms and
     #: 1,541-1,639 tok/s in eight levels, against 236-298 ms and 1,524-1,599 tok/s with
     #: vLLM's CPU server default of 2,048 (four); 1,280 and 1,024 cut the p50 no further
     #: and raised the p90 (509-590 ms against 477-493).

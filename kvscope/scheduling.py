@@ -10,7 +10,8 @@ needed). The loop asks for the shortest, `LOOP_SLICE`, so when it wakes its dead
 earlier than a model thread's and it runs sooner. `bench cancel` on the 2-core machine,
 two runs each, 2 model threads (thread / process worker): the loop lag p50 0.26-0.29 /
 0.36 ms against 0.44-0.46 / 0.34-0.36, its p99 4.4-4.5 / 4.2-4.5 against 4.7-4.9 /
-4.5-4.7 (docs/benchmarks/README.md, session 8).
+4.5-4.7 (docs/benchmarks/README.md, "Measured settings": the event loop asks for
+short time slices).
 
 The model's threads run under SCHED_BATCH (`as_model_thread`), with the default slice:
 the kernel never lets a batch thread's wake-up preempt the thread that is running (the
@@ -20,10 +21,11 @@ pass. Measured with the step sent from the loop (process worker, reference model
 threads), the send's p90 was 2.6 ms of wall time for 0.02 ms at p50: the loop was
 descheduled at the send. Served tokens/s, the same server with and without, three
 interleaved pairs: 90-102 against 84-91 at one stream, 337-396 against 318-377 at 32
-(docs/benchmarks/README.md, session 11). A thread starts with its creator's policy and
-slice, so a thread that runs the forward takes the batch policy before its first step
-and before it starts torch's threads, which inherit it; the model worker process sets
-it on every thread it has when it starts (`every_thread_as_model_thread`).
+(docs/benchmarks/README.md, "Measured settings": the model's threads run as a batch
+job). A thread starts with its creator's policy and slice, so a thread that runs the
+forward takes the batch policy before its first step and before it starts torch's
+threads, which inherit it; the model worker process sets it on every thread it has when
+it starts (`every_thread_as_model_thread`).
 
 Short slices still leave the loop to the tick once it has run past its slice: a
 model thread the tick picks keeps the CPU until the next tick (4 ms at 250 Hz), and
@@ -41,7 +43,7 @@ the machine, the model's included, so `RealtimeLoop` holds the policy only while
 loop uses at most `REALTIME_MOST_BUSY` of its core, and takes it back once the loop is
 under `REALTIME_RESUME_BUSY` again. The same `bench cancel` round with and without: 1-3
 passes over 3 ms against 28-42, a loop-lag p99 of 0.9-1.3 against 4.3-6.8 ms
-(docs/benchmarks/README.md, session 21).
+(docs/benchmarks/README.md, "Measured settings": the loop under SCHED_FIFO).
 
 A model worker process whose threads are fewer than the cores it may use keeps to the
 last of them (`model_cores`, `keep_to_cores`; `worker_cores` lists others, or "all"
@@ -50,10 +52,10 @@ hypercorn and whatever serves beside them, as vLLM's CPU build keeps a core for 
 server (`VLLM_CPU_NUM_OF_RESERVED_CPU`). `bench cancel`, process worker, 1 thread on 2
 cores, four alternating pairs: the DELETE's answer went from written to read in
 0.56-0.66 ms at p50 in three runs of four (1.40 in the fourth) against 1.36-1.87, the
-loop lag's p99 1.26-1.67 against 1.76-2.56 ms (docs/benchmarks/README.md, session 27;
-keeping the loop's thread off the model's core as well made it worse). Where the user
-binds OpenMP's threads themselves (`OPENMP_BINDINGS`), the worker keeps the cores it was
-given.
+loop lag's p99 1.26-1.67 against 1.76-2.56 ms (docs/benchmarks/README.md, "Measured
+settings": the worker keeps to the last cores; keeping the loop's thread off the model's
+core as well made it worse). Where the user binds OpenMP's threads themselves
+(`OPENMP_BINDINGS`), the worker keeps the cores it was given.
 
 Elsewhere (not Linux, a kernel before 6.12 for the slices, a seccomp filter that
 refuses the call, no privilege for the real-time policy) nothing changes, and

@@ -12,7 +12,7 @@ The tokens are already delivered (the request's state holds them); only the read
 wake-up is spread. Measured at 32 streams: the step actor's passes over 2 ms went from
 73 to 8 in 30 s; the event-loop lag p99 did not follow (~4 ms before and after), its
 long passes being GIL waits and scheduling on the two cores
-(docs/benchmarks/README.md, session 4).
+(docs/benchmarks/README.md, "Measured settings": readers woken a group at a time).
 """
 
 from __future__ import annotations

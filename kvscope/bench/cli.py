@@ -1,5 +1,5 @@
 """`kvscope bench`: the subcommands `cancel`, `throughput`, `report` and `convert`
-(DESIGN section 6).
+(docs/benchmarks/README.md, "Running them").
 
 `cancel` and `throughput` print markdown tables, and write `--json PATH` and `--plot
 PATH` when asked; `report` prints the tables of saved JSON files again; `convert` writes

@@ -83,8 +83,8 @@ class KVCache:
         block on shared memory's 4 KiB pages: on the AVX2 machine, the compiled decode
         kernel for 32 rows at context 384, 8 layers, took 13.7-18.0 ms a step on memory
         of its own against 15.9-19.0 on shared memory (medians ~14.3 against ~18.5;
-        docs/benchmarks/README.md, session 23). Where `MADV_REMOVE` is refused, both
-        copies stay."""
+        docs/benchmarks/README.md, "Measured settings": the worker's K/V cache its own
+        memory). Where `MADV_REMOVE` is refused, both copies stay."""
 
         def own(shared: torch.Tensor) -> torch.Tensor:
             tensor = torch.empty_strided(
@@ -125,7 +125,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
     step reads its sequences' blocks wherever the pool put them, a TLB miss a block on
     4 KiB pages: the decode kernel alone, 32 rows over blocks in random order (measured
     on a head-major cache), took 0.80 ms a layer on huge pages against 0.90-1.10
-    (docs/benchmarks/README.md, session 18).
+    (docs/benchmarks/README.md, "Measured settings": huge pages under the K/V cache).
     Only memory of this process's own gets them (the thread worker's cache, an engine
     in-process); shared memory (the process worker's) takes the kernel's shmem setting,
     off by default. Nothing happens where the call or the advice is not there."""

@@ -23,7 +23,8 @@ through the compiled library's `small_linear` where the CPU has AVX-512 BF16 (ch
 against `F.linear` when the library loads): oneDNN takes ~18 µs a call before it
 multiplies, and reads the weights slower than one pass dotting their rows. One decode
 step's linears of the reference model at one row, 2 threads: 2.2 against 3.0 ms
-(docs/benchmarks/README.md, session 18).
+(docs/benchmarks/README.md, "Measured settings": one- and two-row linears
+through `small_linear`).
 
 A prepacked multiply's rows are rounded up to a bucket (`bucket_rows`) and only the real
 rows' outputs kept: oneDNN builds (JIT-compiles) its kernels for each row count the

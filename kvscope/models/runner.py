@@ -6,16 +6,16 @@ forward runs), applies copy-on-write block copies, builds the flat batch and the
 attention metadata once, runs the forward, samples the rows that need a token, and
 scores the prompt tokens of the chunks that ask (`prompt_logprobs`).
 
-`StepControl` is how the event loop talks to a running step. At each checkpoint of the
-forward (before every layer's attention and MLP, and between the pieces of a long
-linear layer, `models/slicing.py`) the runner takes the chunks cancelled since the last
-one and hands their indices to `StepControl.dropped`, on which the step actor unpins
-(and so frees) their blocks on the event loop at once instead of at the end of the step; their rows leave the batch
-at the next checkpoint that allows it (so the remaining layers neither compute them
-nor touch their KV blocks). When no chunk is left, or the abort flag is set, the
-forward stops with `StepAborted`. Every gap between two checkpoints (and from the
-step's start to the first, and from the last to the step's end) is counted in
-`gaps` (`models/gaps.py`).
+`StepControl` is how the event loop talks to a running step. A request that ends mid-step
+has the step actor's `leave` (actors/step.py) unpin (so free) its chunk's blocks on the
+loop at once, not at the step's end, and mark the chunk (`StepControl.cancel`). At each
+checkpoint of the forward (before every layer's attention and MLP, and between a long
+linear's pieces, `models/slicing.py`) the runner takes the chunks cancelled since the
+last one: their rows leave the batch at the next checkpoint that allows it (the remaining
+layers neither compute them nor touch their KV blocks) and go to `StepControl.dropped`,
+a hook nothing waits for. With no chunk left, or the abort flag set, it raises
+`StepAborted`. Every gap between two checkpoints (and from the step's start to the
+first, and from the last to the step's end) is counted in `gaps` (`models/gaps.py`).
 """
 
 from __future__ import annotations

@@ -39,15 +39,15 @@ where rope and the attention of 1,536 rows took up to 26 ms in one gap and gate_
 last piece with the whole activation's `silu_and_mul` 12; 32 streams of 256-token
 prompts decoded 536 tok/s against 548 (six alternating runs each, within their spread).
 
-A prepacked weight, bfloat16 or a float32 copy, is sliced into prepacked pieces
-(oneDNN's reorder of each piece, made the first time that cut is met), while they fit
-in `PACKED_PIECES_BUDGET`: a plain bfloat16 weight multiplies at a third of the speed,
-so two plain pieces cost more than the whole (a 2,048-row step of the reference model:
-258 ms with the MLP in plain pieces against 170 whole), and plain float32 pieces are
-repacked by MKL at every call (on the 2-core AVX2 machine, where bfloat16 does not
-prepack, 32 streams in-process decoded 594-662 tok/s with the lm_head's two plain pieces
-against 725-800 with prepacked ones, and 219-249 against 267-271 with 256-token
-prompts; session 22). Past the budget, pieces are plain views as above.
+A prepacked weight, bfloat16 or a float32 copy, is sliced into prepacked pieces (oneDNN's
+reorder of each piece, made the first time that cut is met), while they fit in
+`PACKED_PIECES_BUDGET`: a plain bfloat16 weight multiplies at a third of the speed, so two plain
+pieces cost more than the whole (a 2,048-row step of the reference model: 258 ms with the MLP in
+plain pieces against 170 whole), and plain float32 pieces are repacked by MKL at every call (on
+the 2-core AVX2 machine, where bfloat16 does not prepack, 32 streams in-process: 594-662 tok/s
+with the lm_head's two plain pieces against 725-800 prepacked, 219-249 against 267-271 with
+256-token prompts; docs/benchmarks/README.md, "Measured settings": linear pieces prepacked
+within a budget). Past the budget, pieces are plain views as above.
 
 The gated MLP (`gated_mlp`: `residual + down(silu(gate) * up)`) is cut so that no piece
 output is concatenated: gate_up's pieces (of the bfloat16 weight or of its float32

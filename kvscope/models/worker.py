@@ -1,6 +1,6 @@
 """The model worker process: the forward runs in its own process, so the event loop
 never shares a GIL with the model (vLLM v1 splits its API server from its engine core
-the same way; DESIGN section 1, "where the forward runs").
+the same way; docs/architecture.md, "The actors and what each owns").
 
 `ProcessRunner` has `ModelRunner`'s interface (`execute(step, control)`,
 `new_control()`), called from a thread. Where a worker is ready, the step actor sends
@@ -84,21 +84,21 @@ SECOND_COPY_SHARE = 0.8
 
 #: glibc's malloc tunables the worker starts with, by name.
 #:
-#: `hugetlb=1`: its large allocations (the weights, their prepacked copies, the
-#: activations) ask for transparent huge pages, so a forward's reads miss the TLB less.
-#: In-process on the 2-core machine, 2 threads, three alternating runs of 200 steps
-#: each: a decode step of 32 rows 15.3-15.4 ms (mean) against 15.9-18.8, of one row
-#: 7.2-7.7 against 7.6-8.9 (docs/benchmarks/README.md, session 18).
+#: `hugetlb=1`: its large allocations (the weights, their prepacked copies, the activations)
+#: ask for transparent huge pages, so a forward's reads miss the TLB less. In-process on the
+#: 2-core machine, 2 threads, three alternating runs of 200 steps each: a decode step of 32
+#: rows 15.3-15.4 ms (mean) against 15.9-18.8, of one row 7.2-7.7 against 7.6-8.9
+#: (docs/benchmarks/README.md, "Measured settings": the worker's heap on huge pages).
 #:
-#: `mmap_threshold` and `trim_threshold`: a step's activations (up to 32 MiB each) come
-#: from the heap, and the heap keeps what the biggest step freed instead of handing it
-#: back to the kernel and faulting it in again (zeroing each huge page) the next step:
-#: the worker holds its busiest step's memory, as a caching allocator would. A step of
-#: 8 prompts of 256 tokens and 8 decode rows, in-process, 2 threads, 20 steps a run:
-#: 0.2-0.4 page faults a step against 31-62, a mean of 95-111 ms in five runs against
-#: 114-127 ms in four with `hugetlb` alone (docs/benchmarks/README.md, session 19).
-#: Served, the worker had settled to few faults after its first level anyway (81 in a
-#: level, against 0-6), and 32 streams showed no difference in three alternating pairs;
+#: `mmap_threshold` and `trim_threshold`: a step's activations (up to 32 MiB each) come from
+#: the heap, and the heap keeps what the biggest step freed instead of handing it back to
+#: the kernel and faulting it in again (zeroing each huge page) the next step: the worker
+#: holds its busiest step's memory, as a caching allocator would. A step of 8 prompts of 256
+#: tokens and 8 decode rows, in-process, 2 threads, 20 steps a run: 0.2-0.4 page faults a
+#: step against 31-62, a mean of 95-111 ms in five runs against 114-127 with `hugetlb`
+#: alone, in four (docs/benchmarks/README.md, "Measured settings": the worker's heap keeps
+#: its pages). Served, the worker had settled to few faults after its first level anyway (81
+#: in a level, against 0-6), and 32 streams showed no difference in three alternating pairs;
 #: the tunables take the first level's 1,400 faults and the in-process variance away.
 #:
 #: A glibc before 2.35 ignores `hugetlb`; a kernel with transparent huge pages off
@@ -122,8 +122,8 @@ MALLOC_TUNABLES = {
 #: alternating: 32 streams, four pairs of two levels, 1,358-1,531 tok/s against
 #: 1,113-1,527, TTFT p50 201-258 ms against 209-284; one stream, four pairs, TTFT p50
 #: 26.2-27.4 ms against 27.3-36.2, 151-162 tok/s against 152-166 (docs/benchmarks/
-#: README.md, session 21). Intel's OpenMP runtime, where torch uses it, ignores it
-#: (its own `KMP_BLOCKTIME` is 200 ms).
+#: README.md, "Measured settings": OpenMP threads spin longer). Intel's OpenMP runtime,
+#: where torch uses it, ignores it (its own `KMP_BLOCKTIME` is 200 ms).
 GOMP_SPINCOUNT = 3_000_000
 
 

@@ -74,9 +74,10 @@ class ServerContext:
         Parsing and checking a body and submitting its job takes ~0.4-0.5 ms of the loop
         here (512 prompt tokens). A client that opened 32 streams at once had them all
         admitted in one pass, in which the loop served nothing else: the loop-lag
-        monitor, and any `DELETE` arriving then, waited 14-22 ms (`bench cancel`,
-        session 11). In this line the lock goes straight to the next waiter, who runs
-        in the next pass, so whatever else is ready runs after at most one admission.
+        monitor, and any `DELETE` arriving then, waited 14-22 ms (`bench cancel`;
+        docs/benchmarks/README.md, "Measured settings": admissions one a pass). In this
+        line the lock goes straight to the next waiter, who runs in the next pass, so
+        whatever else is ready runs after at most one admission.
         The lock guards no work: what follows this call runs in the pass it returned
         in, while the line moves on in the next.
         """

@@ -8,7 +8,7 @@ pre-built as a JSON template around the one string that changes, and `text_chunk
 the same bytes as `sse.encode(chunk(index, text, None))` at a fraction of the
 cost (tests/web/test_sse_body.py holds the two together).
 
-The shapes are vLLM's where OpenAI allows several (README, "vLLM conformance"): a
+The shapes are vLLM's where OpenAI allows several (docs/openai.md, "vLLM conformance"): a
 completions token's `top_logprobs` holds the token itself and the top k (one entry
 for `logprobs: 0`); an echoed token-id prompt shows its special tokens; usage counts
 the cached prompt tokens only under `--enable-prompt-tokens-details`.

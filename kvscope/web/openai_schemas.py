@@ -6,7 +6,7 @@ Fields with no effect on the output (`user`, `metadata`, `store`, `service_tier`
 declared and ignored. Declared fields kvscope cannot honour in every value (`best_of`,
 `tool_choice`, `response_format`) are checked by the route, which names them in its
 400. `top_k`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `repetition_penalty`,
-`priority` and the others the README lists are vLLM's extensions. Numeric ranges are
+`priority` and the others docs/openai.md lists are vLLM's extensions. Numeric ranges are
 built from the `Bound`s of `kvscope.params` (`sampling_field`), never restated; the
 only limits of this module's own are OpenAI's: `temperature` up to 2 (a narrowing of
 `SamplingParams`' range) and `n` (and `best_of`) up to `MAX_N`. The option objects

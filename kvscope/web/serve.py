@@ -46,7 +46,8 @@ EXAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
 #: Where one server runs the forward unless `--worker` says: a model worker process,
 #: so the event loop never shares a GIL with the forward (32 streams, reference model,
 #: served: 266-269 tok/s in every run, where a thread gave 220-230 in three runs and
-#: 270 in one; docs/benchmarks, sessions 7-9). (`Engine.open`'s default stays
+#: 270 in one; docs/benchmarks/README.md, "Measured settings": a model worker process
+#: by default). (`Engine.open`'s default stays
 #: "thread", for embedding; a replica's: `kvscope.serve`.)
 SERVED_WORKER = "process"
 #: The cores a served model worker process keeps to (`scheduling.model_cores`).

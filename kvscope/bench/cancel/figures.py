@@ -38,8 +38,9 @@ from .records import (
     Target,
 )
 
-#: Issue 10's targets: name -> (the figure it bounds, the bound). `leaked==0` is added
-#: by `targets`; the disconnect bound (one step) is measured, not fixed.
+#: The cancel targets (docs/benchmarks/README.md, "Cancel"): name -> (the figure it
+#: bounds, the bound). `leaked==0` is added by `targets`; the disconnect bound (one step)
+#: is measured, not fixed.
 TARGETS: dict[str, tuple[str, float]] = {
     "delete_rtt_p50_ms<=2": ("delete_rtt_ms.p50", 2),
     "delete_rtt_p99_ms<=5": ("delete_rtt_ms.p99", 5),
@@ -287,7 +288,7 @@ def figure(run: CancelRun, path: str) -> Any:
 
 
 def _with_targets(run: CancelRun) -> CancelRun:
-    """`run` with each target of issue 10: the figure, the bound, whether it is met."""
+    """`run` with each cancel target: the figure, the bound, whether it is met."""
 
     def check(value: float | None, bound: float) -> Target:
         return Target(value=value, bound=bound, met=None if value is None else value <= bound)

@@ -182,7 +182,7 @@ class CancelRun(Record):
     #: floor under the server's loop lag and every wake-up of a hop.
     wake_floor_ms: Summary | None = None
     #: The core the server's event loop last ran on, sampled beside `/stats` during the
-    #: run with cancels (core -> samples; since session 28): on a machine whose cores
+    #: run with cancels (core -> samples; None in older files): on a machine whose cores
     #: the benchmark's clients share, the loop's core decides the kind of run.
     loop_cores: dict[str, int] | None = None
 

@@ -45,7 +45,8 @@ async def sample_loop_core(
     """Count, every `interval` s until `stop` is set, the core the server's event loop
     (its process's main thread) last ran on. Where the real-time loop settles when the
     server starts decides the kind of run on a machine whose cores the benchmark's own
-    clients share (docs/benchmarks/README.md, session 28)."""
+    clients share (docs/benchmarks/README.md, "Measured settings": the loop's core sampled by
+    `bench cancel`)."""
     while pid is not None and not stop.is_set():
         if (core := last_core(pid)) is not None:
             counts[core] = counts.get(core, 0) + 1

@@ -1,8 +1,8 @@
 """The text tables `bench cancel` prints (markdown, so they paste into docs/benchmarks).
 
-The first table walks a cancel's path hop by hop, each figure next to issue 10's
-target for it (`TARGETS` in `figures`); files written before the hops were measured
-show "-" for them.
+The first table walks a cancel's path hop by hop, each figure next to its target
+(`TARGETS` in `figures`; docs/benchmarks/README.md, "Cancel"); files written before
+the hops were measured show "-" for them.
 """
 
 from __future__ import annotations

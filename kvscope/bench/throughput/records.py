@@ -87,7 +87,7 @@ class ServedRun(Record):
     #: before it was recorded (those ran the thread worker).
     worker: str | None = None
     #: The server's child processes still there once it exited on SIGTERM (None in
-    #: files written before session 10).
+    #: older files).
     processes_left: int | None = None
     #: The `--dtype` the server was given: kvscope serve's, vLLM's (None for llama.cpp,
     #: which serves the file as it is, and in older files).
@@ -109,7 +109,8 @@ class ServedRun(Record):
         return system if self.weights is None else f"{system}, {self.weights}"
 
 
-#: The serving path may cost this much of the in-process tokens/s (issue 9, item 4).
+#: The serving path may cost this much of the in-process tokens/s (docs/benchmarks/README.md,
+#: "Throughput beside vLLM and llama.cpp").
 SERVED_COST_LIMIT = 0.05
 
 
@@ -237,7 +238,7 @@ class ThroughputResult(Record):
     #: llama.cpp's `llama-server` on the same GGUF file.
     llama_cpp: list[ServedRun] = attrs.field(factory=list)
     transformers: list[HfRun] = attrs.field(factory=list)
-    #: `kvscope serve` and the engine in-process, interleaved (absent before session 10).
+    #: `kvscope serve` and the engine in-process, interleaved (absent in older files).
     paired: list[PairedRun] = attrs.field(factory=list)
     elapsed_s: float | None = None
     headline: Headline | None = None

