@@ -65,7 +65,7 @@ def _hop_rows(run: CancelRun) -> list[list[object]]:
 
 
 def _hop_table(run: CancelRun) -> list[str]:
-    headers = ["hop (ms)", "p50", "p99", "max", "n", "target (issue 10), met"]
+    headers = ["hop (ms)", "p50", "p99", "max", "n", "target, met"]
     notes = (
         f"DELETE status {run.delete_status}; {run.cancels_waited_for_step} of "
         f"{run.cancel_reports} cancels found their request in the running step; one step ~ "
