@@ -114,8 +114,8 @@ async def test_beams_guides_and_embeddings(
 async def test_an_adapter_on_quantized_base_weights(
     q41_file: Path,
     checkpoints: Any,
-    adapters: Any,
-    open_engine: Any,  # noqa: F811
+    adapters: Any,  # noqa: F811 (the fixture)
+    open_engine: Any,
 ) -> None:
     paths, _ = adapters("llama")
     ids = prompts(checkpoints("llama"))[2]
