@@ -65,20 +65,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 #: What `kvscope/web` may import from kvscope outside itself: the package's exports
-#: (`kvscope/__init__.py`'s `__all__`) and these documented modules, the types that
-#: own the engine's settings, sampling, errors and the server threads' scheduling,
+#: (`kvscope/__init__.py`'s `__all__`), the modules that own each rule (the last of
+#: `LAYERS`: the engine's settings, sampling, errors, the server threads' scheduling)
 #: and the beam search client.
-PUBLIC_MODULES = frozenset(
-    {
-        "kvscope.beam_search",
-        "kvscope.config",
-        "kvscope.errors",
-        "kvscope.options",
-        "kvscope.params",
-        "kvscope.scheduling",
-        "kvscope.text",
-    }
-)
+PUBLIC_MODULES = frozenset({"kvscope.beam_search", *LAYERS[-1]})
 
 #: Modules over MAX_MODULE_LINES: path -> lines at most.
 LONG_MODULES = {

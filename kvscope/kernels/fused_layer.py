@@ -45,11 +45,9 @@ class FusedLayer:
     linears: list[Linear]  # qkv, o, gate_up, down
     quantized: bool  # some linear multiplies quantized blocks
     plain: bool  # some linear is a bfloat16 weight for small_linear
-
-    @property
-    def key(self) -> tuple[object, ...]:
-        """What its cost depends on: the types and shapes of its weights."""
-        return tuple(self.qtypes) + tuple(tuple(w.shape) for w in self.weights)
+    #: What whether a step takes it, and its cost, depend on: its weights' types and
+    #: shapes (layers alike share one answer a step, `choose`).
+    key: tuple[object, ...]
 
     def takes(self, rows: int, meta: AttentionMetadata, hidden: torch.Tensor) -> bool:
         """Whether a step of `rows` decode rows of `hidden` runs fused (see the module)."""
@@ -57,7 +55,7 @@ class FusedLayer:
             return False
         if hidden.dtype not in DTYPES or (self.plain and hidden.dtype != torch.bfloat16):
             return False
-        return decode_layer_op(self) is not None
+        return hidden.is_contiguous() and decode_layer_op(self) is not None
 
     def run(
         self,
@@ -123,14 +121,16 @@ def fused_layer(
     if any(linear.bias is not None for linear in (o_proj, gate_up, down)):
         return None
     w_qkv, w_o, w_gate_up, w_down = weights
+    layer_weights = [input_norm, w_qkv, w_o, post_norm, w_gate_up, w_down]
     return FusedLayer(
-        weights=[input_norm, w_qkv, w_o, post_norm, w_gate_up, w_down],
+        weights=layer_weights,
         qtypes=qtypes,
         qkv_bias=qkv.bias,
         max_rows=min(limits),
         linears=[qkv, o_proj, gate_up, down],
         quantized=any(qtypes),
         plain=not all(qtypes),
+        key=(*qtypes, *(tuple(w.shape) for w in layer_weights), qkv.bias is not None),
     )
 
 
@@ -142,16 +142,14 @@ def choose(
 ) -> list[FusedLayer | None]:
     """The layers a step of `hidden`'s rows runs fused (None for the others): those
     that `take` it and, given `fits`, whose linears it says fit in one checkpoint gap
-    (asked once for each kind of layer)."""
-    rows, fitting = hidden.shape[0], {}
+    (both asked once for each kind of layer, `FusedLayer.key`)."""
+    rows, usable = hidden.shape[0], {}
     chosen: list[FusedLayer | None] = []
     for layer in layers:
-        if layer is None or not layer.takes(rows, meta, hidden):
-            chosen.append(None)
-            continue
-        if fits is not None and layer.key not in fitting:
-            fitting[layer.key] = fits(layer.linears)
-        chosen.append(layer if fits is None or fitting[layer.key] else None)
+        if layer is not None and layer.key not in usable:
+            takes = layer.takes(rows, meta, hidden)
+            usable[layer.key] = takes and (fits is None or fits(layer.linears))
+        chosen.append(layer if layer is not None and usable[layer.key] else None)
     return chosen
 
 

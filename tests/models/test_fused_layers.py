@@ -28,7 +28,7 @@ from kvscope.models.loader import load_model
 
 from .gguf_files import Q, convert_checkpoint
 from .test_parity import prompts
-from .test_quantized_engine import STEP, q41_file  # noqa: F401 (the fixture)
+from .test_quantized_engine import STEP, beside_cancellations, q41_file  # noqa: F401 (the fixture)
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -185,8 +185,8 @@ async def test_cancelled_beside_fused_steps_leave_the_rest_as_alone(
     checkpoints: Any,
     open_engine: Any,
 ) -> None:
-    """Four greedy streams and two cancelled while they decode, in decode steps of up
-    to six rows that the fused layers take, in the model's own thread: each stream's
+    """Greedy streams beside two cancelled while they decode, in decode steps of up to
+    six rows that the fused layers take, in the model's own thread: each stream's
     tokens are those it decodes alone; `open_engine` checks that no block leaked."""
     ids_list = prompts(checkpoints("llama"))
     options = {**STEP, "worker": "thread"}
@@ -198,24 +198,7 @@ async def test_cancelled_beside_fused_steps_leave_the_rest_as_alone(
         for ids in ids_list:
             out = await engine.generate(ids, temperature=0, max_tokens=12, ignore_eos=True)
             alone.append(list(out.token_ids))
-        victims = [
-            await engine.submit(ids[::-1], temperature=0, max_tokens=400, ignore_eos=True)
-            for ids in ids_list[:2]
-        ]
-        jobs = [
-            await engine.submit(ids, temperature=0, max_tokens=12, ignore_eos=True)
-            for ids in ids_list
-        ]
-        for victim in victims:
-            seen = 0
-            async for _delta in engine.watch(victim.id):
-                seen += 1
-                if seen == 3:  # decoding beside the others by now
-                    break
-            report = await engine.cancel(victim.id)
-            assert report.found and report.blocks_released > 0
         with anyio.fail_after(120):
-            done = [await job.wait() for job in jobs]
-            cancelled = [await victim.wait() for victim in victims]
-    assert [c.finish_reason for c in cancelled] == ["cancelled", "cancelled"]
-    assert [list(c.token_ids) for c in done] == alone
+            tokens, reasons = await beside_cancellations(engine, ids_list, 12)
+    assert reasons == ["cancelled", "cancelled"]
+    assert tokens == alone

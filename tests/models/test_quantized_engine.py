@@ -55,29 +55,38 @@ async def _alone(open_engine: Any, path: Path, ids: list[int], **options: Any) -
         return list(out.token_ids)
 
 
+async def beside_cancellations(
+    engine: Any, ids_list: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[str | None]]:
+    """Greedy streams of `ids_list` beside two that are cancelled once decoding: each
+    stream's tokens, and the cancelled ones' finish reasons."""
+    victims = [
+        await engine.submit(ids[::-1], temperature=0, max_tokens=500, ignore_eos=True)
+        for ids in ids_list[:2]
+    ]
+    jobs = [
+        await engine.submit(ids, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for ids in ids_list
+    ]
+    for victim in victims:
+        async for _delta in engine.watch(victim.id):
+            break
+        report = await engine.cancel(victim.id)
+        assert report.found and report.blocks_released > 0
+    done = [await job.wait() for job in jobs]
+    cancelled = [await victim.wait() for victim in victims]
+    return [list(c.token_ids) for c in done], [c.finish_reason for c in cancelled]
+
+
 async def test_batched_beside_cancellations_as_alone(
     q41_file: Path, checkpoints: Any, open_engine: Any
 ) -> None:
     ids_list = prompts(checkpoints("llama"))
     expected = [await _alone(open_engine, q41_file, ids) for ids in ids_list]
     async with open_engine(str(q41_file), **STEP) as engine:
-        victims = [
-            await engine.submit(ids[::-1], temperature=0, max_tokens=500, ignore_eos=True)
-            for ids in ids_list[:2]
-        ]
-        jobs = [
-            await engine.submit(ids, temperature=0, max_tokens=16, ignore_eos=True)
-            for ids in ids_list
-        ]
-        for victim in victims:
-            async for _delta in engine.watch(victim.id):
-                break
-            report = await engine.cancel(victim.id)
-            assert report.found and report.blocks_released > 0
-        done = [await job.wait() for job in jobs]
-        cancelled = [await victim.wait() for victim in victims]
-    assert [c.finish_reason for c in cancelled] == ["cancelled", "cancelled"]
-    assert [list(c.token_ids) for c in done] == expected
+        tokens, reasons = await beside_cancellations(engine, ids_list, 16)
+    assert reasons == ["cancelled", "cancelled"]
+    assert tokens == expected
 
 
 async def test_the_prefix_cache_and_the_worker_process(
