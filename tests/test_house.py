@@ -104,12 +104,8 @@ CYCLES: list[frozenset[str]] = [
 ]
 
 #: Imports that reach up a layer: (importer, imported).
-UPWARD_IMPORTS = {
-    # The cache's tensor layout is the kernels' choice: `block_major_cache` to cache/.
-    ("kvscope.cache.kv_cache", "kvscope.kernels.attention"),
-    # RoPE tables are a kernel input: the rope helpers to kernels/.
-    ("kvscope.kernels.cpu_decode", "kvscope.models.rope"),
-}
+UPWARD_IMPORTS: set[tuple[str, str]] = set()
+
 
 #: Web modules that import internal names: path -> how many, at most.
 WEB_INTERNAL_IMPORTS = {

@@ -17,6 +17,7 @@ from anyio.abc import TaskStatus
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
+from kvscope.kernels.attention import block_major_cache
 from kvscope.kernels.device import select_device
 from kvscope.models.catalog import resolve_model
 from kvscope.models.loader import LoadedModel, load_model, served_as
@@ -118,6 +119,7 @@ def build_parts(
         head_dim=model_config.head_dim,
         dtype=loaded.model.dtype,
         device=device,
+        block_major=block_major_cache(device),
     )
     # The forward runs in a worker thread, or, given a spec, in a model worker process.
     adapters = dict(config.lora_modules)

@@ -1,8 +1,8 @@
 """The paged K/V tensors: one preallocated key and value tensor per layer.
 
 Shape `[num_blocks, block_size, num_kv_heads, head_dim]` (a view: the storage is
-block-major or head-major, as `attention.block_major_cache` says for the device), and slot
-`s` is block `s // block_size`,
+block-major or head-major, as its maker says, asking the kernels that will read it:
+`kernels.attention.block_major_cache`), and slot `s` is block `s // block_size`,
 offset `s % block_size`. Which block belongs to whom is the `BlockPool`'s business; this class
 only holds the memory and copies blocks for copy-on-write.
 
@@ -18,8 +18,6 @@ import ctypes
 import sys
 
 import torch
-
-from kvscope.kernels.attention import block_major_cache
 
 #: Linux's `madvise` advice: transparent huge pages; free a shared range's memory.
 _MADV_HUGEPAGE = 14
@@ -40,12 +38,13 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        block_major: bool,
     ) -> None:
         self.block_size = block_size
         # Head-major storage ([kv_heads, blocks, slots, dim]) is seen through a
         # [blocks, slots, kv_heads, dim] view: a batch's blocks then gather into one
         # contiguous tensor per head, as the reference decode kernel wants.
-        head_major = not block_major_cache(device)
+        head_major = not block_major
 
         def allocate() -> torch.Tensor:
             if head_major:
@@ -101,6 +100,12 @@ class KVCache:
         return KVCache._of(
             self.block_size, [own(t) for t in self.keys], [own(t) for t in self.values]
         )
+
+    @property
+    def block_major(self) -> bool:
+        """Whether the storage is block-major: one slot's heads lie side by side."""
+        keys = self.keys[0]
+        return keys.stride(2) == keys.shape[3]
 
     @staticmethod
     def bytes_per_block(

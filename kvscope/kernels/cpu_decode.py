@@ -299,7 +299,7 @@ def _check_small_linear(small_linear: Callable[..., None]) -> None:
 def _check_rope_and_cache(rope_and_cache: Callable[..., None]) -> None:
     """Raise unless the fused rotary embedding and cache write agree with
     `apply_rotary` and `write_slots` (a head dim the vector path does not divide)."""
-    from kvscope.models.rope import apply_rotary
+    from kvscope.kernels.rope import apply_rotary
 
     from .attention import write_slots
 

@@ -75,7 +75,7 @@ def rope_and_cache(
     value_cache: torch.Tensor,
 ) -> bool:
     """Rotate `qk` ([tokens, q heads + kv heads, dim]) in place as
-    `models.rope.apply_rotary` would, and write its kv heads and `v` into the caches
+    `rope.apply_rotary` would, and write its kv heads and `v` into the caches
     at `slots` as `attention.write_slots` would; False, having done nothing, where the
     compiled op does not apply (the caller then does both with torch)."""
     op = cpu_kernel().rope_and_cache_op

@@ -39,10 +39,10 @@ from kvscope.kernels.attention import AttentionMetadata, paged_attention
 from kvscope.kernels.fused import rms_norm, rope_and_cache, silu_and_mul
 from kvscope.kernels.linear import Linear
 from kvscope.kernels.quantized import QuantizedWeight
+from kvscope.kernels.rope import apply_rotary, rotary_tables
 
 from .config import ModelConfig
 from .lora import LoraAdapter, LoraRows
-from .rope import apply_rotary, rotary_tables
 from .slicing import LinearSlicer
 from .weights import Weight, WeightReader, check_weights
 

@@ -24,6 +24,7 @@ __all__ = ["ARCHITECTURES", "LoadedModel", "ModelLoadError", "load_model"]
 import attrs
 import torch
 
+from kvscope.kernels.rope import SUPPORTED_ROPE_TYPES, rope_type
 from kvscope.params import SamplingParams
 
 from .chat import (
@@ -38,7 +39,6 @@ from .errors import ModelLoadError
 from .gguf import gguf_path, read_gguf
 from .llama import LlamaModel
 from .lora import read_adapters
-from .rope import SUPPORTED_ROPE_TYPES, rope_type
 from .sentence_pooling import sentence_transformers_pooling
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from .weights import check_weights

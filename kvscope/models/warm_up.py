@@ -119,6 +119,7 @@ class WarmUp:
                 head_dim=head_dim,
                 dtype=cache.keys[0].dtype,
                 device=cache.keys[0].device,
+                block_major=cache.block_major,
             )
         return self._cache
 

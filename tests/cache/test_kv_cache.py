@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 def cache() -> KVCache:
     return KVCache(
         num_layers=2, num_blocks=6, block_size=4, num_kv_heads=3, head_dim=8,
-        dtype=torch.float32, device=CPU,
+        dtype=torch.float32, device=CPU, block_major=block_major_cache(CPU),
     )  # fmt: skip
 
 
@@ -95,7 +95,7 @@ def test_the_cpu_cache_asks_for_huge_pages() -> None:
     before its first touch, so the decode's scattered blocks miss the TLB less."""
     kv = KVCache(
         num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=4, head_dim=64,
-        dtype=torch.float32, device=CPU,
+        dtype=torch.float32, device=CPU, block_major=block_major_cache(CPU),
     )  # fmt: skip
     for tensor in (*kv.keys, *kv.values):
         middle = tensor.data_ptr() + tensor.untyped_storage().nbytes() // 2
@@ -135,7 +135,7 @@ def test_a_worker_takes_the_shared_cache_over_as_its_own(keep_contents: bool) ->
     every page mapped in before the first step, and the shared pages given back."""
     kv = KVCache(
         num_layers=2, num_blocks=256, block_size=16, num_kv_heads=4, head_dim=64,
-        dtype=torch.bfloat16, device=CPU,
+        dtype=torch.bfloat16, device=CPU, block_major=block_major_cache(CPU),
     )  # fmt: skip
     kv.share_memory()
     for index, tensor in enumerate((*kv.keys, *kv.values)):

@@ -12,7 +12,7 @@ from kvscope.kernels import fused
 from kvscope.kernels.attention import write_slots
 from kvscope.kernels.cpu_decode import cpu_kernel
 from kvscope.kernels.linear import Linear, plan
-from kvscope.models.rope import apply_rotary, rotary_tables
+from kvscope.kernels.rope import apply_rotary, rotary_tables
 
 # Widths: the reference model's (512 and 2 x 1408), and one the vector path does not
 # divide (74), so each row's tail goes through the scalar loop.

@@ -20,7 +20,7 @@ import torch
 
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels import fused_layer
-from kvscope.kernels.attention import build_metadata, decode_backend
+from kvscope.kernels.attention import block_major_cache, build_metadata, decode_backend
 from kvscope.kernels.cpu_decode import compiler, cpu_kernel
 from kvscope.kernels.quantized import DOT_ROWS
 from kvscope.models.llama import LayerBatch
@@ -52,6 +52,7 @@ class Run:
         self.kv = KVCache(
             num_layers=c.num_layers, num_blocks=128, block_size=BLOCK,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.model.dtype, device=CPU,
+            block_major=block_major_cache(CPU),
         )  # fmt: skip
         self.tables: list[list[int]] = []
         self.lengths: list[int] = []

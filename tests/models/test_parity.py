@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvscope.cache.kv_cache import KVCache
-from kvscope.kernels.attention import build_metadata
+from kvscope.kernels.attention import block_major_cache, build_metadata
 from kvscope.models.loader import load_model
 from kvscope.models.lora import LoraRows
 from kvscope.models.slicing import LinearSlicer
@@ -77,6 +77,7 @@ class Cache:
             head_dim=c.head_dim,
             dtype=loaded.model.dtype,
             device=CPU,
+            block_major=block_major_cache(CPU),
         )
         # Hand out blocks in a scrambled order so that a table is not just 0, 1, 2, ...
         self._free = [b for b in range(num_blocks - 1, 0, -1) if b % 3] + [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.models.rope import apply_rotary, rotary_tables
+from kvscope.kernels.rope import apply_rotary, rotary_tables
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvscope.cache.kv_cache import KVCache
+from kvscope.kernels.attention import block_major_cache
 from kvscope.models.llama import LayerBatch, StepAborted
 from kvscope.models.loader import tiny_random
 from kvscope.models.runner import ChunkInput, ModelRunner, StepControl, StepInput
@@ -26,6 +27,7 @@ def make_runner(dtype: torch.dtype = torch.float32) -> ModelRunner:
         head_dim=c.head_dim,
         dtype=dtype,
         device=torch.device("cpu"),
+        block_major=block_major_cache(torch.device("cpu")),
     )
     return ModelRunner(loaded.model, kv)
 
