@@ -72,8 +72,6 @@ PUBLIC_MODULES = frozenset({"kvscope.beam_search", *LAYERS[-1]})
 
 #: Modules over MAX_MODULE_LINES: path -> lines at most.
 LONG_MODULES = {
-    "kernels/attention.py": 611,  # torch references / metadata / backend choice apart
-    "kernels/cpu_decode.py": 389,  # the self-checks apart from the loader
     "kernels/sampling.py": 356,  # logprobs apart from the sampler
     "models/loader.py": 518,  # one module a checkpoint format
     "models/runner.py": 386,  # to the execution package, behind a Runner protocol
@@ -84,24 +82,10 @@ LONG_MODULES = {
 #: Functions over MAX_FUNCTION_LINES: "path::qualified name" -> body lines at most.
 LONG_FUNCTIONS = {
     "bench/throughput/arguments.py::add_arguments": 69,  # one group a helper
-    "kernels/attention.py::paged_attention": 75,  # prefill / decode paths apart
 }
 
 #: Import circles: each a set of modules that import one another.
-CYCLES: list[frozenset[str]] = [
-    # The compiled library's loader, self-checks and backend choice out of
-    # attention/linear/cpu_decode/fused/prefill_choice, each below the one that uses it.
-    frozenset(
-        {
-            "kvscope.kernels.attention",
-            "kvscope.kernels.cpu_decode",
-            "kvscope.kernels.fused",
-            "kvscope.kernels.linear",
-            "kvscope.kernels.prefill_choice",
-            "kvscope.kernels.quantized",
-        }
-    ),
-]
+CYCLES: list[frozenset[str]] = []
 
 #: Imports that reach up a layer: (importer, imported).
 UPWARD_IMPORTS: set[tuple[str, str]] = set()

@@ -2,7 +2,7 @@
 
 Shape `[num_blocks, block_size, num_kv_heads, head_dim]` (a view: the storage is
 block-major or head-major, as its maker says, asking the kernels that will read it:
-`kernels.attention.block_major_cache`), and slot `s` is block `s // block_size`,
+`kernels.attention_backend.block_major_cache`), and slot `s` is block `s // block_size`,
 offset `s % block_size`. Which block belongs to whom is the `BlockPool`'s business; this class
 only holds the memory and copies blocks for copy-on-write.
 

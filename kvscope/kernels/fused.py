@@ -12,29 +12,18 @@ where a float32 intermediate lands on the other side of a rounding boundary (mea
 `rms_norm` 0.05 against 0.12 ms, `silu_and_mul` 0.40 against 0.49 ms (2,048 rows: 0.41
 against 1.59, 1.6 against 2.4). `rope_and_cache` replaces five passes over q and k
 and two `index_copy_` calls (its cache writes cost what theirs did: they wait for the
-cache's misses, which the block-major layout makes fewer, `attention.block_major_cache`).
+cache's misses, which the block-major layout makes fewer, `attention_backend.block_major_cache`).
 They never start the library's build: the decode backend does
-(`attention.decode_backend`).
+(`attention_backend.decode_backend`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .cpu_decode import DTYPES, cpu_kernel
 from .linear import empty_with_bucket_room
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm (normalised in float32, scaled after the cast back), with
-    torch's fused kernel for the float32 part."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from .reference import torch_rms_norm, torch_silu_and_mul
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -76,7 +65,7 @@ def rope_and_cache(
 ) -> bool:
     """Rotate `qk` ([tokens, q heads + kv heads, dim]) in place as
     `rope.apply_rotary` would, and write its kv heads and `v` into the caches
-    at `slots` as `attention.write_slots` would; False, having done nothing, where the
+    at `slots` as `reference.write_slots` would; False, having done nothing, where the
     compiled op does not apply (the caller then does both with torch)."""
     op = cpu_kernel().rope_and_cache_op
     if op is None or qk.device.type != "cpu" or qk.dtype not in DTYPES:

@@ -4,7 +4,7 @@ The compiled library (`cpu_decode.py`) has `paged_prefill`: a prefill chunk's ro
 attend over the blocks in place, a tile of rows at a time. Whether it or SDPA is quicker depends on the CPU
 (SDPA's flash kernel multiplies on AMX tiles where there are some), so when the kernel
 loads it is timed against SDPA (over the chunks' own rows, as fresh prompts attend:
-`attention.sdpa_own_rows`) on one shape (`PREFILL_PROBE`), and prefill chunks go
+`reference.sdpa_own_rows`) on one shape (`PREFILL_PROBE`), and prefill chunks go
 through the kernel only where it won (`CpuKernel.prefill_in_place`). On the 2-core AMX
 machine, 8 prompts of 256 tokens, one layer of the reference model: 2.7 ms for SDPA over
 the own rows, 3.8 for gather + SDPA a chunk at a time, 5.0 for the kernel.
@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from .reference import sdpa_own_rows
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,6 @@ def prefill_in_place(prefill_op: Callable[..., None]) -> bool:
 
 def _time_prefill(prefill_op: Callable[..., None]) -> tuple[float, float]:
     """The quickest of a few runs of `prefill_op` and of SDPA on the probe."""
-    from .attention import sdpa_own_rows
-
     shape = PREFILL_PROBE
     chunks, tokens, block = shape["chunks"], shape["tokens"], shape["block"]
     width = -(-tokens // block)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvscope.kernels import attention
+from kvscope.kernels import attention, attention_metadata
 from kvscope.kernels.attention import reference_decode
 from kvscope.kernels.cpu_decode import (
     BUILDING_PREFIX,
@@ -151,7 +151,7 @@ def test_prefill_chunks_attend_in_place_as_through_sdpa(op, dtype, sliced, monke
     IN_PLACE_PREFILL_CONTEXT (gather + SDPA either way): every row attends as it does
     on the torch path; so it does with the in-place chunks cut into pieces of rows
     (some inside a chunk), with a checkpoint before each piece."""
-    monkeypatch.setattr(attention, "IN_PLACE_PREFILL_CONTEXT", 40)
+    monkeypatch.setattr(attention_metadata, "IN_PLACE_PREFILL_CONTEXT", 40)
     generator = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, block_size = 8, 4, 32, 4
     starts, lengths = [5, 30, 0, 9, 37], [1, 1, 13, 20, 6]

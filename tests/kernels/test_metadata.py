@@ -56,9 +56,9 @@ def test_slots_rows_and_spans_of_a_mixed_step() -> None:
 
 
 def test_a_chunk_past_the_in_place_limit_stays_on_sdpa(monkeypatch) -> None:
-    from kvscope.kernels import attention
+    from kvscope.kernels import attention_metadata
 
-    monkeypatch.setattr(attention, "IN_PLACE_PREFILL_CONTEXT", 8)
+    monkeypatch.setattr(attention_metadata, "IN_PLACE_PREFILL_CONTEXT", 8)
     meta = build_metadata(
         starts=[0, 0, 2],
         lengths=[6, 9, 4],
