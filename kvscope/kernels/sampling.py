@@ -11,9 +11,7 @@ else shares its batch. Each processor works on the whole
 `[rows, vocab]` tensor at once (index lists built from the rows that asked for it), and
 a batch that asks for none of them costs one scan of its parameters.
 
-Log-probabilities are vLLM's default ("raw_logprobs"): the log-softmax of the model's
-own logits, before the allowed set, the bias, the penalties, the grammar, temperature,
-min-p, top-k and top-p.
+Log-probabilities (`logprobs.py`) are of the model's own logits, before any of these.
 """
 
 from __future__ import annotations
@@ -26,15 +24,21 @@ import torch
 
 from kvscope.params import SamplingParams
 
+from .logprobs import TokenLogprobs, logprobs_of, token_logprobs
 
-@attrs.frozen
-class TokenLogprobs:
-    """The chosen token's log-probability and the `k` most likely tokens' (best first)."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    #: 1 + how many tokens are more likely than the chosen one (vLLM's `rank`).
-    rank: int | None = None
+#: `TokenLogprobs` and `token_logprobs` are reached through this module too.
+__all__ = [
+    "TOP_P_CANDIDATES",
+    "Guide",
+    "RowState",
+    "Sampled",
+    "TokenLogprobs",
+    "logprobs_of",
+    "make_generator",
+    "process",
+    "sample",
+    "token_logprobs",
+]
 
 
 @attrs.frozen
@@ -245,36 +249,6 @@ def _penalize(
             + per_row("presence_penalty")[out_rows] / counts[keys]
         )
         logits.view(-1).index_add_(0, keys, -per)
-
-
-def logprobs_of(
-    logits: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams], rows: list[int]
-) -> list[TokenLogprobs]:
-    """The raw log-probabilities of the chosen tokens of `rows` and their top k."""
-    chosen = logits[torch.tensor(rows, device=logits.device)]
-    ks = [params[r].logprobs or 0 for r in rows]
-    return token_logprobs(chosen, [tokens[r] for r in rows], ks)
-
-
-def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
-    """Row i's log-probability of `targets[i]` and its `ks[i]` most likely tokens."""
-    device = logits.device
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    target_ids = torch.tensor(targets, device=device).unsqueeze(1)
-    chosen_values = logprobs.gather(1, target_ids)
-    chosen = chosen_values.squeeze(1).tolist()
-    ranks = ((logprobs > chosen_values).sum(dim=-1) + 1).tolist()
-    k = max(ks, default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
-    top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
-    return [
-        TokenLogprobs(
-            chosen[j],
-            tuple(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True)),
-            ranks[j],
-        )
-        for j, n in enumerate(ks)
-    ]
 
 
 def _draw(
