@@ -4,7 +4,7 @@
 holding exactly one `.gguf` and no `config.json`). `read_gguf` opens it with the `gguf`
 package's reader (llama.cpp's own; the tensor data stays memory-mapped) and returns a
 `GGUFCheckpoint`: the Hugging Face config the metadata describes (the dict
-`loader.model_config_from_hf` reads, so one place turns a config into a `ModelConfig`),
+`hf_checkpoint.model_config_from_hf` reads, so one place turns a config into a `ModelConfig`),
 the file's own dtype, its tokenizer (`models/gguf_tokenizer.py`) and chat template, and
 its tensors, read under Hugging Face's names by `models/gguf_weights.py`: dequantized
 (what the decoder serves today) or each linear weight kept in its GGML blocks as a
