@@ -22,6 +22,16 @@ GGUF_SERVE_DTYPES = ("auto", "bfloat16")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, threads="1,2")
+    _add_workload_arguments(p)
+    _add_kvscope_arguments(p)
+    _add_peer_arguments(p)
+    p.add_argument(
+        "--level-timeout", type=float, default=600, help="seconds before a level is abandoned"
+    )
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What each system is sent: the levels, the prompts, the sampling."""
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument(
         "--min-requests",
@@ -43,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hf-requests", type=int, default=4, help="requests for transformers one at a time"
     )
+
+
+def _add_kvscope_arguments(p: argparse.ArgumentParser) -> None:
+    """How kvscope serve runs: the worker, the paired rounds, the dtypes."""
     p.add_argument(
         "--worker",
         default=SERVED_WORKER,
@@ -63,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype; for a GGUF file auto,bfloat16: its weights as the file holds them, "
         "and dequantized)",
     )
+
+
+def _add_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """Which peers run beside kvscope, and where they are found."""
     p.add_argument(
         "--peer-model",
         type=Path,
@@ -86,9 +104,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="python of the venv vLLM's CPU build is installed in "
         "(default: $KVSCOPE_VLLM_PYTHON or /root/vllm-venv/bin/python)",
-    )
-    p.add_argument(
-        "--level-timeout", type=float, default=600, help="seconds before a level is abandoned"
     )
 
 
