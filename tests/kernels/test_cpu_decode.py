@@ -116,9 +116,9 @@ def test_kernel_reads_a_strided_query_and_threads(op) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_sequences_are_cut_into_spans_and_merged(op, dtype, threads) -> None:
-    """Too few (sequence, KV head) pairs for the threads: each sequence is cut into
-    spans of blocks whose partial softmaxes are merged. Ragged, so the short row's
-    later spans are empty; GQA 4 to 1 and MHA."""
+    """Too few (sequence, KV head) pairs for the threads: their blocks are cut into
+    shares whose partial softmaxes are merged. Ragged, so the long row is cut and the
+    short one is not; GQA 4 to 1 and MHA."""
     generator = torch.Generator().manual_seed(1)
     block_size, dim = 16, 64
     lens = torch.tensor([1100, 30], dtype=torch.int32)
@@ -141,6 +141,33 @@ def test_long_sequences_are_cut_into_spans_and_merged(op, dtype, threads) -> Non
         ref = reference_decode(query.float(), keys.float(), values.float(), tables, lens, dim**-0.5)
         error = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         assert error <= RTOL[dtype], f"max error {error:.1e} relative ({heads}/{kv_heads} heads)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("length", "threads"), [(300, 2), (300, 3), (200, 2), (120, 2), (40, 2)])
+def test_one_row_is_shared_among_the_threads_block_by_block(op, dtype, length, threads) -> None:
+    """One decode row of SmolLM2's heads (9 query, 3 KV, size 64): its three KV heads'
+    blocks in a row are cut into one equal share a thread, so that a KV head is cut
+    between two shares (300 and 200 at 2 threads), or not (300 at 3: a head a share;
+    120: one share each head), or the row is too short to share (40)."""
+    generator = torch.Generator().manual_seed(2)
+    block_size, dim, heads, kv_heads = 16, 64, 9, 3
+    width = -(-length // block_size)
+    tables = torch.randperm(width + 3, generator=generator)[:width].view(1, width).contiguous()
+    keys = torch.randn(width + 3, block_size, kv_heads, dim, generator=generator).to(dtype)
+    values = torch.randn(width + 3, block_size, kv_heads, dim, generator=generator).to(dtype)
+    query = (3 * torch.randn(1, heads, dim, generator=generator)).to(dtype)
+    lens = torch.tensor([length], dtype=torch.int32)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = torch.full_like(query, float("nan"))
+        op(out, query, keys, values, tables, lens, dim**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    ref = reference_decode(query.float(), keys.float(), values.float(), tables, lens, dim**-0.5)
+    error = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert error <= RTOL[dtype], f"max error {error:.1e} relative"
 
 
 @pytest.mark.parametrize("sliced", [False, True], ids=["whole", "in pieces"])

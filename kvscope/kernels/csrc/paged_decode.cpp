@@ -52,9 +52,10 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-// A sequence is split into spans of at least this many tokens, and only when the
-// (sequence, KV head) pairs are fewer than two a thread.
-constexpr int64_t MIN_SPAN_TOKENS = 256;
+// When the (sequence, KV head) pairs are fewer than two a thread, their blocks are
+// shared out evenly instead, each thread's share at least this many blocks (a share
+// costs a thread's start, ~2-3 us; a block of 16 keys under one KV head ~0.3 us).
+constexpr int64_t MIN_SHARE_BLOCKS = 8;
 // Besides the next block (into L1), the block this many ahead is asked for into L2: one
 // block ahead is ~64 cache lines, more than the L1 can have in flight, so from DRAM the
 // kernel waited on every block. Reference model, 2 threads, AVX-512 BF16, one layer of
@@ -370,27 +371,15 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     for (int64_t d = 0; d < dim; ++d) from_float(acc[d] * inv, &dst[d]);
   };
 
-  // How many spans a sequence is cut into (see MIN_SPAN_TOKENS).
   const int64_t pairs = batch * kv_heads, threads = at::get_num_threads();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, pb.lens[b]);
-  const int64_t longest_blocks = (longest + block_size - 1) / block_size;
-  int64_t span_blocks = std::max<int64_t>(longest_blocks, 1);
-  if (pairs < 2 * threads) {
-    const int64_t wanted = (2 * threads + pairs - 1) / pairs;
-    const int64_t min_blocks = (MIN_SPAN_TOKENS + block_size - 1) / block_size;
-    span_blocks = std::max((longest_blocks + wanted - 1) / wanted, min_blocks);
-  }
-  const int64_t spans = std::max<int64_t>((longest_blocks + span_blocks - 1) / span_blocks, 1);
-
-  if (spans == 1) {
+  auto blocks_of = [&](int64_t pair) { return (pb.lens[pair / kv_heads] + block_size - 1) / block_size; };
+  if (pairs >= 2 * threads) {  // every thread gets two (sequence, KV head) pairs or more
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
       Scratch w(group, dim, block_size);
       std::vector<float> acc(group * dim), run_max(group), run_sum(group);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / kv_heads, h = item % kv_heads;
-        const int64_t num_blocks = (pb.lens[b] + block_size - 1) / block_size;
-        pb.attend(w, b, h, 0, num_blocks, acc.data(), run_max.data(), run_sum.data());
+        pb.attend(w, b, h, 0, blocks_of(item), acc.data(), run_max.data(), run_sum.data());
         for (int64_t g = 0; g < group; ++g)
           write_out(b, h, g, &acc[g * dim], run_sum[g] > 0 ? 1.0f / run_sum[g] : 0.0f);
       }
@@ -398,42 +387,82 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     return;
   }
 
-  // Spans: partial results per (pair, span), then one merge per pair.
-  std::vector<float> part_acc(pairs * spans * group * dim), part_max(pairs * spans * group),
-      part_sum(pairs * spans * group);
-  at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(group, dim, block_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / spans, span = item % spans;
-      const int64_t b = pair / kv_heads, h = pair % kv_heads;
-      const int64_t num_blocks = (pb.lens[b] + block_size - 1) / block_size;
-      const int64_t j_begin = std::min(span * span_blocks, num_blocks);
-      const int64_t j_end = std::min(j_begin + span_blocks, num_blocks);
-      pb.attend(w, b, h, j_begin, j_end, &part_acc[item * group * dim], &part_max[item * group],
-                &part_sum[item * group]);
+  // Few pairs (a step of one or a few rows): all pairs' blocks in a row, cut into one
+  // equal share a thread (no more shares than MIN_SHARE_BLOCKS each allows); a pair cut
+  // between shares leaves partial softmaxes that the calling thread merges after.
+  std::vector<int64_t> first_block(pairs + 1, 0);  // pair p's blocks: [first[p], first[p+1])
+  for (int64_t p = 0; p < pairs; ++p) first_block[p + 1] = first_block[p] + blocks_of(p);
+  const int64_t total = first_block[pairs];
+  const int64_t shares = std::clamp<int64_t>(total / MIN_SHARE_BLOCKS, 1, threads);
+  auto share_start = [&](int64_t s) { return total * s / shares; };
+  // A cut pair's pieces: one partial result a share it meets (at most shares + pairs).
+  struct Piece {
+    int64_t pair, j_begin, j_end, slot;  // slot: where its partial goes; -1: not cut
+  };
+  std::vector<std::vector<Piece>> pieces(shares);
+  std::vector<int64_t> cut_first(pairs, -1), cut_count(pairs, 0);
+  int64_t slots = 0;
+  for (int64_t s = 0; s < shares; ++s) {
+    const int64_t lo = share_start(s), hi = share_start(s + 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t b0 = std::max(lo, first_block[p]), b1 = std::min(hi, first_block[p + 1]);
+      if (b0 >= b1) continue;
+      const bool whole = b0 == first_block[p] && b1 == first_block[p + 1];
+      int64_t slot = -1;
+      if (!whole) {
+        if (cut_first[p] < 0) cut_first[p] = slots;
+        slot = slots++;
+        ++cut_count[p];
+      }
+      pieces[s].push_back({p, b0 - first_block[p], b1 - first_block[p], slot});
     }
-  });
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(dim);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      for (int64_t g = 0; g < group; ++g) {
-        float m = neg_inf;
-        for (int64_t s = 0; s < spans; ++s) m = std::max(m, part_max[(pair * spans + s) * group + g]);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        float sum = 0;
-        for (int64_t s = 0; s < spans; ++s) {
-          const int64_t at = (pair * spans + s) * group + g;
-          if (part_max[at] == neg_inf) continue;  // an empty span (a shorter sequence)
-          const float weight = std::exp(part_max[at] - m);
-          sum += weight * part_sum[at];
-          const float* a = &part_acc[at * dim];
-          for (int64_t d = 0; d < dim; ++d) acc[d] += weight * a[d];
+  }
+  std::vector<float> part_acc(slots * group * dim), part_max(slots * group), part_sum(slots * group);
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(group, dim, block_size);
+    std::vector<float> acc(group * dim), run_max(group), run_sum(group);
+    for (int64_t s = begin; s < end; ++s) {
+      for (const Piece& piece : pieces[s]) {
+        const int64_t b = piece.pair / kv_heads, h = piece.pair % kv_heads;
+        if (piece.slot >= 0) {
+          const int64_t at = piece.slot;
+          pb.attend(w, b, h, piece.j_begin, piece.j_end, &part_acc[at * group * dim],
+                    &part_max[at * group], &part_sum[at * group]);
+          continue;
         }
-        write_out(pair / kv_heads, pair % kv_heads, g, acc.data(), sum > 0 ? 1.0f / sum : 0.0f);
+        pb.attend(w, b, h, piece.j_begin, piece.j_end, acc.data(), run_max.data(), run_sum.data());
+        for (int64_t g = 0; g < group; ++g)
+          write_out(b, h, g, &acc[g * dim], run_sum[g] > 0 ? 1.0f / run_sum[g] : 0.0f);
       }
     }
   });
+  // The cut pairs' partial softmaxes merged (a few heads' worth: not worth threads);
+  // an empty sequence's heads are zeros.
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> acc(dim);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (first_block[p] == first_block[p + 1]) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t g = 0; g < group; ++g) write_out(p / kv_heads, p % kv_heads, g, acc.data(), 0.0f);
+    }
+    if (cut_first[p] < 0) continue;
+    for (int64_t g = 0; g < group; ++g) {
+      float m = neg_inf;
+      for (int64_t s = cut_first[p]; s < cut_first[p] + cut_count[p]; ++s)
+        m = std::max(m, part_max[s * group + g]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float sum = 0;
+      for (int64_t s = cut_first[p]; s < cut_first[p] + cut_count[p]; ++s) {
+        const int64_t at = s * group + g;
+        if (part_max[at] == neg_inf) continue;
+        const float weight = std::exp(part_max[at] - m);
+        sum += weight * part_sum[at];
+        const float* a = &part_acc[at * dim];
+        for (int64_t d = 0; d < dim; ++d) acc[d] += weight * a[d];
+      }
+      write_out(p / kv_heads, p % kv_heads, g, acc.data(), sum > 0 ? 1.0f / sum : 0.0f);
+    }
+  }
 }
 
 // What both ops ask of their tensors.
