@@ -21,10 +21,10 @@ import anyio
 from anyio.abc import TaskGroup
 
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
+from kvscope.execution.runner import ModelRunner
+from kvscope.execution.warm_up import WarmUp
+from kvscope.execution.worker import ProcessRunner
 from kvscope.kernels.guided import GuideCompiler
-from kvscope.models.runner import ModelRunner
-from kvscope.models.warm_up import WarmUp
-from kvscope.models.worker import ProcessRunner
 from kvscope.params import SamplingParams
 
 from .adapters import RuntimeAdapters

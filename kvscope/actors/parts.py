@@ -17,13 +17,13 @@ from anyio.abc import TaskStatus
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
+from kvscope.execution.runner import ModelRunner
+from kvscope.execution.worker import ProcessRunner, WorkerDied, WorkerSpec
 from kvscope.kernels.attention import block_major_cache
 from kvscope.kernels.device import select_device
 from kvscope.models.catalog import resolve_model
 from kvscope.models.loader import LoadedModel, load_model, served_as
 from kvscope.models.lora import check_adapter_name
-from kvscope.models.runner import ModelRunner
-from kvscope.models.worker import ProcessRunner, WorkerDied, WorkerSpec
 from kvscope.scheduling import allowed_cores, model_cores
 
 from .scheduler import Scheduler

@@ -5,7 +5,7 @@ fallbacks serve at once), but after a first start three things bring it to full 
 later: the compiled CPU library's build (`kernels/cpu_decode.py`, ~17 s where nothing
 is cached), the model worker process (`worker="process"`: it loads its own copy of the
 model and warms up before it takes over, 5-26 s), and the thread worker's idle warm-up
-of the row buckets (`models/warm_up.py`). `waiting_for` names those still pending; an
+of the row buckets (`execution/warm_up.py`). `waiting_for` names those still pending; an
 engine is *ready* when it names none. `/stats` (`ready`), `/metrics`
 (`kvscope_ready`) and `GET /ready` read it, and `kvscope bench` waits for it before it
 measures. Liveness is another matter: `/health` answers as soon as the server serves.

@@ -17,7 +17,7 @@ handed out only by `Scheduler.schedule`, which this actor calls between steps, n
 while a forward runs: the pool is fenced for the step (`BlockPool.fence`), like a
 device allocator whose frees are ordered before the next kernel that could reuse the
 memory. Idle, the actor runs the thread worker's warm-up steps one at a time
-(`models/warm_up.py`; a wake-up stops the running one at its next checkpoint), then
+(`execution/warm_up.py`; a wake-up stops the running one at its next checkpoint), then
 sleeps on a wake-up event. The readers of a step's tokens are
 woken a group at a time by `ReaderWakeups`, a task of its own, while the next forward
 runs.
@@ -34,11 +34,11 @@ from anyio.abc import TaskStatus
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
+from kvscope.execution.runner import ChunkInput, ModelRunner, StepInput
+from kvscope.execution.warm_up import WarmUp
+from kvscope.execution.worker import KVCacheLost, ProcessRunner
 from kvscope.kernels.sampling import Sampled
 from kvscope.models.llama import StepAborted
-from kvscope.models.runner import ChunkInput, ModelRunner, StepInput
-from kvscope.models.warm_up import WarmUp
-from kvscope.models.worker import KVCacheLost, ProcessRunner
 
 from .messages import StepStatistics
 from .scheduler import ScheduledStep, Scheduler

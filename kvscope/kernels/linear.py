@@ -12,7 +12,7 @@ weights, a prepacked form of that copy (`wide_packed`): inputs of `PACKED_WIDE_R
 rows or more go through the prepacked copy, and only if it is missing through the plain
 copy from `WIDE_ROWS` rows. The activations are widened, multiplied, and rounded back
 to bfloat16, as bfloat16 GEMMs accumulate in float32 anyway. The plain copy stays for
-`models/slicing.py`, which multiplies column slices of it. Prepacking matters because
+`kernels/slicing.py`, which multiplies column slices of it. Prepacking matters because
 MKL's float32 GEMM repacks the weights on every call, which at 32 rows costs more than
 the multiply (one reference-model layer's linears at 32 rows: 2.6 ms prepacked against
 3.6 ms). The copies are made while they fit in `WIDE_COPY_BUDGET` (the prepacked one
@@ -32,7 +32,7 @@ first time it meets it, and the second call is as slow again, so a step with a n
 count (a new mix of decode rows and prompts) paid ~15 ms a layer twice over (the four
 linear shapes of the reference model at ~1,540 rows: 17-23 ms the first two calls,
 4.1-4.8 after). Buckets bound the row counts to a few dozen, which are built before
-the steps need them (`models/warm_up.py`). A row's output does not depend on the
+the steps need them (`execution/warm_up.py`). A row's output does not depend on the
 rows beside it, so the added rows are read from the input's storage where it goes on
 that far (the forward's activations are allocated so, `empty_with_bucket_room`), else
 from a zeroed copy. An in-process step of 1,507 rows, two alternating runs: median

@@ -17,7 +17,7 @@ layer), the hook may drop rows: the runner drops those of sequences cancelled wh
 the step runs, so the rest of the forward neither computes nor touches their KV blocks,
 and raises `StepAborted` when nobody is left. Given a `LinearSlicer`, the forward also
 cuts every long linear layer into column pieces and calls the hook with None between
-them and after the attention (`models/slicing.py`): there rows cannot leave the batch,
+them and after the attention (`kernels/slicing.py`): there rows cannot leave the batch,
 but a cancelled sequence's blocks may be released at once, since no KV block is read or
 written before the next checkpoint that is given the batch, where its rows leave.
 
@@ -40,10 +40,10 @@ from kvscope.kernels.fused import rms_norm, rope_and_cache, silu_and_mul
 from kvscope.kernels.linear import Linear
 from kvscope.kernels.quantized import QuantizedWeight
 from kvscope.kernels.rope import apply_rotary, rotary_tables
+from kvscope.kernels.slicing import LinearSlicer
 
 from .config import ModelConfig
 from .lora import LoraAdapter, LoraRows
-from .slicing import LinearSlicer
 from .weights import Weight, WeightReader, check_weights
 
 

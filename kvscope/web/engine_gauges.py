@@ -5,7 +5,7 @@ histograms fed by the engine's hooks are `metrics.py`'s).
 running and live requests, requests a LoRA adapter, readiness, open streams, the
 model's memory, worker restarts, the prefix cache's queries and hits, preemptions.
 `CheckpointGaps` exposes the runner's own histogram of the forward time between two
-checkpoints (`models/gaps.py`), which the forward's thread or process fills.
+checkpoints (`execution/gaps.py`), which the forward's thread or process fills.
 """
 
 from __future__ import annotations

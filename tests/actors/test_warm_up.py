@@ -1,4 +1,4 @@
-"""The thread worker's warm-up (`models/warm_up.py`): the step actor builds the row
+"""The thread worker's warm-up (`execution/warm_up.py`): the step actor builds the row
 buckets while it has no work, gives way to the requests that arrive, and is stopped by
 the engine's close; on both anyio backends."""
 
@@ -38,7 +38,7 @@ async def answers(engine: Engine) -> list[tuple[int, ...]]:
 
 
 async def test_an_idle_engine_builds_every_bucket_and_says_so(caplog):
-    with caplog.at_level(logging.INFO, logger="kvscope.models.warm_up"):
+    with caplog.at_level(logging.INFO, logger="kvscope.execution.warm_up"):
         async with open_engine(dtype="bfloat16") as engine:
             bucketed(engine)
             await wait_for(lambda: engine.stats()["warm_up_pending"] == 0, 60, "the warm-up")

@@ -17,7 +17,7 @@ import torch
 
 from kvscope.kernels import attention
 from kvscope.kernels.cpu_decode import CpuKernel, compiler, cpu_kernel
-from kvscope.models.slicing import LinearSlicer
+from kvscope.kernels.slicing import LinearSlicer
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")

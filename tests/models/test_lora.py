@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from kvscope.errors import InvalidRequest
+from kvscope.kernels.slicing import LinearSlicer
 from kvscope.models.errors import ModelLoadError
 from kvscope.models.loader import load_model
 from kvscope.models.lora import lora_rows
-from kvscope.models.slicing import LinearSlicer
 
 from .test_parity import CPU, Cache, assert_close, hf_greedy, hf_logits, prompts
 

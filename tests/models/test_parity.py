@@ -19,9 +19,9 @@ import torch
 
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.attention import block_major_cache, build_metadata
+from kvscope.kernels.slicing import LinearSlicer
 from kvscope.models.loader import load_model
 from kvscope.models.lora import LoraRows
-from kvscope.models.slicing import LinearSlicer
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 32

@@ -10,7 +10,7 @@ process, multiprocessing's resource tracker): none, where the server cleans up.
 A server answers before it is fully up: `kvscope serve --worker process` serves its
 first steps in its own process while the model worker loads (the cold start is timed
 that way, as a user meets it), and `--worker thread` builds its row buckets while idle
-(`models/warm_up.py`), and a first start builds the compiled kernels in the background.
+(`execution/warm_up.py`), and a first start builds the compiled kernels in the background.
 `Server.settled()` waits for the rest (`GET /ready`), so that a figure said to be the
 process worker's is the process worker's, no warm-up step runs in a measured round, and
 no round runs on a fallback; the time it took is reported as the time to ready.

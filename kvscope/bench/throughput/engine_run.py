@@ -16,7 +16,7 @@ import anyio
 import attrs
 
 from kvscope import Engine
-from kvscope.models.runner import ModelRunner
+from kvscope.execution.runner import ModelRunner
 
 from ..core.stats import summary
 from ..core.workload import Workload

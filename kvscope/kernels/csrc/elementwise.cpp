@@ -5,7 +5,7 @@
 //   rms_norm(out, x, w, eps):   out = w * (x / sqrt(mean(x^2) + eps))
 //   rope_and_cache(qk, v, cos, sin, slots, key_cache, value_cache):
 //       rotates q and k heads in place (Hugging Face's rotary embedding, rounded as
-//       kvscope/models/rope.py's `apply_rotary` rounds), then writes the rotated k heads
+//       kvscope/kernels/rope.py's `apply_rotary` rounds), then writes the rotated k heads
 //       and the v heads into the paged cache at `slots` (what `write_slots` does)
 //   small_linear(out, x, w, bias):   out = x w^T + bias for a few bfloat16 rows (a decode
 //       step of one or two sequences): one pass over w's rows, each dotted with every

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvscope.cache.kv_cache import KVCache
+from kvscope.execution.runner import ChunkInput, ModelRunner, StepControl, StepInput
 from kvscope.kernels.attention import block_major_cache
 from kvscope.models.llama import LayerBatch, StepAborted
 from kvscope.models.loader import tiny_random
-from kvscope.models.runner import ChunkInput, ModelRunner, StepControl, StepInput
 from kvscope.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

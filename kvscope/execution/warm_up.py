@@ -27,10 +27,10 @@ import time
 from kvscope.cache.block_table import blocks_needed
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.linear import BUCKET_SMALL_UNTIL, row_buckets
+from kvscope.models.llama import StepAborted
 from kvscope.params import SamplingParams
 
 from .gaps import GapRecorder
-from .llama import StepAborted
 from .runner import ChunkInput, ModelRunner, StepControl, StepInput
 
 log = logging.getLogger(__name__)

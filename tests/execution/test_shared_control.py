@@ -1,4 +1,4 @@
-"""The shared control block between the engine and its model worker (`models/worker.py`):
+"""The shared control block between the engine and its model worker (`execution/worker.py`):
 the parent writes the abort flag and the cancelled chunks (`SharedStepControl`), the
 worker's checkpoints read them (`WorkerControl`), in another process, while they change.
 """
@@ -10,7 +10,7 @@ from multiprocessing.synchronize import Event
 
 import torch
 
-from kvscope.models.worker import SharedStepControl, WorkerControl
+from kvscope.execution.worker import SharedStepControl, WorkerControl
 
 CHUNKS = 256
 

@@ -1,4 +1,4 @@
-"""The environment a model worker process is spawned with (`models/worker.py`): glibc's
+"""The environment a model worker process is spawned with (`execution/worker.py`): glibc's
 malloc tunables and OpenMP's spin count are added, a setting of the user's is kept as
 the user set it, and the engine's own environment is left as it was."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvscope.models.worker import GOMP_SPINCOUNT, MALLOC_TUNABLES, worker_environment
+from kvscope.execution.worker import GOMP_SPINCOUNT, MALLOC_TUNABLES, worker_environment
 
 OURS = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items()]
 

@@ -10,12 +10,12 @@ scores the prompt tokens of the chunks that ask (`prompt_logprobs`).
 has the step actor's `leave` (actors/step.py) unpin (so free) its chunk's blocks on the
 loop at once, not at the step's end, and mark the chunk (`StepControl.cancel`). At each
 checkpoint of the forward (before every layer's attention and MLP, and between a long
-linear's pieces, `models/slicing.py`) the runner takes the chunks cancelled since the
+linear's pieces, `kernels/slicing.py`) the runner takes the chunks cancelled since the
 last one: their rows leave the batch at the next checkpoint that allows it (the remaining
 layers neither compute them nor touch their KV blocks) and go to `StepControl.dropped`,
 a hook nothing waits for. With no chunk left, or the abort flag set, it raises
 `StepAborted`. Every gap between two checkpoints (and from the step's start to the
-first, and from the last to the step's end) is counted in `gaps` (`models/gaps.py`).
+first, and from the last to the step's end) is counted in `gaps` (`execution/gaps.py`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
 from kvscope.kernels.sampling import RowState, Sampled, TokenLogprobs, sample, token_logprobs
+from kvscope.kernels.slicing import LinearSlicer
+from kvscope.models.llama import LayerBatch, LlamaModel, StepAborted
+from kvscope.models.lora import LoraAdapter, LoraRows, lora_rows, read_adapter
 from kvscope.params import SamplingParams
 from kvscope.scheduling import as_model_thread
 
 from .gaps import GapRecorder
-from .llama import LayerBatch, LlamaModel, StepAborted
-from .lora import LoraAdapter, LoraRows, lora_rows, read_adapter
-from .slicing import LinearSlicer
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class ModelRunner:
     def execute_on(
         self, cache: KVCache, gaps: GapRecorder, step: StepInput, control: StepControl | None
     ) -> list[Sampled | None]:
-        """`execute` on `cache` (the warm-up's scratch cache, `models/warm_up.py`),
+        """`execute` on `cache` (the warm-up's scratch cache, `execution/warm_up.py`),
         counting the checkpoint gaps in `gaps`."""
         as_model_thread()  # this thread and the torch threads it starts
         with torch.inference_mode():

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from kvscope.kernels.sampling import Sampled
+from kvscope.models.llama import StepAborted
 from kvscope.params import SamplingParams
 
-from .llama import StepAborted
 from .runner import ChunkInput, StepInput
 
 #: Steps after its last use when a request's parameters are forgotten by both sides.

@@ -20,8 +20,8 @@ import anyio
 import pytest
 
 from kvscope import Engine
+from kvscope.execution.worker import GOMP_SPINCOUNT, MAIN_GUARD_HINT, MALLOC_TUNABLES
 from kvscope.models.loader import BUNDLED_DIR
-from kvscope.models.worker import GOMP_SPINCOUNT, MAIN_GUARD_HINT, MALLOC_TUNABLES
 from kvscope.scheduling import OPENMP_BINDINGS
 from tests.conftest import audit_lines, open_engine, wait_for
 
@@ -409,7 +409,7 @@ async def test_the_worker_starts_with_its_malloc_tunables_and_openmp_spin(monkey
         tunables = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
         assert len(tunables) == 1
         # glibc 2.36 cuts the variable after the first tunable it parses (their effect
-        # is tested in tests/models/test_worker_environment.py).
+        # is tested in tests/execution/test_worker_environment.py).
         entries = tunables[0].removeprefix(b"GLIBC_TUNABLES=").decode().split(":")
         ours = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items()]
         assert entries and entries == ours[: len(entries)]

@@ -56,12 +56,12 @@ import torch.multiprocessing
 
 from kvscope.cache.kv_cache import KVCache
 from kvscope.kernels.sampling import Sampled
+from kvscope.models.llama import StepAborted
+from kvscope.models.loader import LoadedModel, load_model
+from kvscope.models.lora import LoraAdapter
 from kvscope.scheduling import every_thread_as_model_thread, keep_to_cores, threads_of_this_process
 
-from .llama import StepAborted
-from .loader import LoadedModel, load_model
 from .loop_pipe import LoopPipe
-from .lora import LoraAdapter
 from .runner import ChunkInput, ModelRunner, StepControl, StepInput
 from .step_wire import StepDecoder, StepEncoder, decode_answer, encode_answer
 from .warm_up import warm_up_now
@@ -147,7 +147,7 @@ class WorkerSpec:
     threads: int | None
     checkpoint_gap: float
     nice: int = 0
-    #: The step budget the worker warms up for before it is ready (`models/warm_up.py`).
+    #: The step budget the worker warms up for before it is ready (`execution/warm_up.py`).
     warm_up_tokens: int = 0
     #: The cores the worker keeps to (`scheduling.model_cores`); None: every core.
     cores: frozenset[int] | None = None

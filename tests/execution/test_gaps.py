@@ -10,7 +10,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 
-from kvscope.models.gaps import BOUNDS, GapRecorder, quantile
+from kvscope.execution.gaps import BOUNDS, GapRecorder, quantile
 
 
 def test_a_step_of_n_checkpoints_counts_n_plus_one_gaps():

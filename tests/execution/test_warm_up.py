@@ -1,4 +1,4 @@
-"""The warm-up (`models/warm_up.py`): a step for each row bucket on a scratch cache,
+"""The warm-up (`execution/warm_up.py`): a step for each row bucket on a scratch cache,
 run all at once or one at a time, stopped by its control and taken up again."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvscope.execution import warm_up as warm_up_module
+from kvscope.execution.runner import StepControl, StepInput
+from kvscope.execution.warm_up import WarmUp, warm_up_now
 from kvscope.kernels.linear import row_buckets
-from kvscope.models import warm_up as warm_up_module
-from kvscope.models.runner import StepControl, StepInput
-from kvscope.models.warm_up import WarmUp, warm_up_now
 
 from .test_runner import chunks, make_runner
 
@@ -47,7 +47,7 @@ def test_the_warm_up_builds_every_row_bucket_up_to_its_cap(caplog, monkeypatch):
     warm_up = WarmUp(bucketed_runner(), 10_000)
     buckets = row_buckets(300)
     assert warm_up.pending == buckets
-    with caplog.at_level("INFO", logger="kvscope.models.warm_up"):
+    with caplog.at_level("INFO", logger="kvscope.execution.warm_up"):
         while not warm_up.done:
             assert warm_up.run_next(StepControl())
     assert warm_up.built == buckets

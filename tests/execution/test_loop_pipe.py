@@ -1,4 +1,4 @@
-"""The engine's end of the model worker's pipe on the event loop (`models/loop_pipe.py`):
+"""The engine's end of the model worker's pipe on the event loop (`execution/loop_pipe.py`):
 it reads and writes the frames of the worker's `multiprocessing` `Connection`, messages
 larger than the socket's buffer included, and says when the worker's end is closed.
 Runs on asyncio and trio."""
@@ -11,7 +11,7 @@ import threading
 import anyio
 import pytest
 
-from kvscope.models.loop_pipe import LoopPipe
+from kvscope.execution.loop_pipe import LoopPipe
 
 pytestmark = pytest.mark.anyio
 

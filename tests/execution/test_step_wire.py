@@ -1,4 +1,4 @@
-"""The wire format between the engine and its model worker (`models/step_wire.py`): a
+"""The wire format between the engine and its model worker (`execution/step_wire.py`): a
 step crosses the pipe (a real pickle, as `Connection` sends it) and comes back the same,
 each request's parameters cross once and are forgotten on both sides when no step has
 used them for a while, and the answer keeps every token, log-probability (the prompt's
@@ -11,10 +11,8 @@ import pickle
 import pytest
 import torch
 
-from kvscope.kernels.sampling import Sampled, TokenLogprobs
-from kvscope.models.llama import StepAborted
-from kvscope.models.runner import ChunkInput, StepInput
-from kvscope.models.step_wire import (
+from kvscope.execution.runner import ChunkInput, StepInput
+from kvscope.execution.step_wire import (
     FORGET_AFTER,
     FORGET_EVERY,
     StepDecoder,
@@ -22,6 +20,8 @@ from kvscope.models.step_wire import (
     decode_answer,
     encode_answer,
 )
+from kvscope.kernels.sampling import Sampled, TokenLogprobs
+from kvscope.models.llama import StepAborted
 from kvscope.params import SamplingParams
 
 

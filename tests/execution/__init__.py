@@ -1,0 +1,1 @@
+"""Tests of kvscope.execution (a package so its helpers import relatively)."""
