@@ -153,12 +153,16 @@ class LinearSlicer:
 
     def within_target(self, linears: list[Linear], rows: int) -> bool:
         """Whether `linears` run back to back at `rows` rows, with no checkpoint
-        between them, are expected to take at most `target` (a fused layer)."""
+        between them, are expected to take at most `target` (a fused layer).
+
+        At the rows themselves, not their bucket: the fused layer's compiled call
+        multiplies only the rows it has (at one row the bucket's 16 would count a
+        quantized layer 6-8x over, and a probe slowed by a busy machine then kept the
+        layers unfused for good)."""
         if any(linear.device.type != "cpu" for linear in linears):
             return False
-        padded = bucket_rows(rows)
         costs = (self.cost(linear) for linear in linears)
-        return sum(a + b * padded for a, b in costs) <= self.target
+        return sum(a + b * rows for a, b in costs) <= self.target
 
     def attention_parts(self, path: str, keys: int) -> int:
         """How many pieces a prefill's attention over `keys` keys in all (its rows'

@@ -195,3 +195,18 @@ def test_a_quantized_layer_in_pieces_gives_its_whole_result(qtype: str) -> None:
     assert len(calls) >= 2 * (1024 // 256) - 1
     assert torch.equal(out, whole)
     assert torch.equal(mlp, mlp_whole)
+
+
+def test_a_layer_fits_the_gap_by_its_own_rows_not_their_bucket() -> None:
+    """Whether a fused layer fits one checkpoint gap is judged at the rows it
+    multiplies: at one row, a gap just over the layers' one-row cost admits them
+    (at the 16 rows of the bucket they would not fit), and one just under does not."""
+    layers = [planned_linear(torch.bfloat16, shape) for shape in [(1024, 256), (256, 512)]]
+    slicer = LinearSlicer(target=1.0)
+    costs = [slicer.cost(layer) for layer in layers]
+    one_row = sum(a + b for a, b in costs)
+    assert sum(a + b * bucket_rows(1) for a, b in costs) > one_row * 1.01, "the bucket pads"
+    slicer.target = one_row * 1.01
+    assert slicer.within_target(layers, 1)
+    slicer.target = one_row * 0.99
+    assert not slicer.within_target(layers, 1)
