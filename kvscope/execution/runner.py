@@ -120,13 +120,14 @@ class ModelRunner:
         #: The gaps between the forward's checkpoints (a worker process is handed its
         #: parent's, in shared memory, so both count into one histogram).
         self.gaps = gaps if gaps is not None else GapRecorder()
+        # Resolve the decode kernel now: on the CPU this loads it or starts its build,
+        # so the linears below are measured on the compiled path where it is cached.
+        decode_backend(self.device.type)
         self.slicer: LinearSlicer | None = None
         if checkpoint_gap > 0 and self.device.type == "cpu":
             self.slicer = LinearSlicer(checkpoint_gap)
             for linear in model.linears():  # measure them now, not in a step
                 self.slicer.cost(linear)
-        # Resolve the decode kernel now: on the CPU this loads it or starts its build.
-        decode_backend(self.device.type)
         log.info("linear layers: %s (kernels/linear.py)", model.linear_layout)
         self._model_bytes = model.weight_bytes()
 

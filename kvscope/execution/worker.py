@@ -55,6 +55,7 @@ import torch
 import torch.multiprocessing
 
 from kvscope.cache.kv_cache import KVCache
+from kvscope.kernels.cpu_decode import cpu_kernel
 from kvscope.kernels.sampling import Sampled
 from kvscope.models.llama import StepAborted
 from kvscope.models.loader import LoadedModel, load_model
@@ -284,6 +285,12 @@ def worker_main(
         if spec.threads:
             torch.set_num_threads(spec.threads)
         loaded = spec.load()
+        if loaded.model.device.type == "cpu":
+            # Its kernels built or loaded first (the engine serves meanwhile), so that
+            # the runner measures its linears on the path that serves them: a cost
+            # measured on the torch fallback is far too high for good, and keeps the
+            # layers cut into pieces and unfused (`kernels/slicing.py`).
+            cpu_kernel().wait()
         runner = ModelRunner(
             loaded.model,
             kv_cache,
