@@ -35,6 +35,14 @@ added row costs nearly a row's time, so at 8 rows it still won (qkv 0.20 against
 slabs' 0.25 ms; lm_head 8.3 against 12.0), at 16 the slabs won or tied (0.31 against
 0.37; 14.5 against 17.4), hence `DOT_ROWS`. From 16 rows the slabs take 0.7-1.6x the
 time of bfloat16 `F.linear` (the dequantization, one oneDNN call a slab).
+
+Q4_1 on AVX-512 now takes four blocks an iteration (`csrc/quant_quads.h`). With two
+threads, one row, weights from memory (`--threads 2`, same machine, busy, the better of
+two interleaved runs each): qkv 0.023 -> 0.020, o 0.044 -> 0.013-0.018, gate_up 0.058 ->
+0.054-0.058, down 0.030-0.032 -> 0.033 ms: at one row both read memory at 15-21 GB/s, so
+little changes; at 4 rows 1.2-1.3x (gate_up 0.119 -> 0.097-0.108 ms), at 8 rows
+1.2-1.4x. One thread, one row: 1.15-1.4x from memory, 1.4-1.7x from cache. A decode step
+of SmolLM2-135M Q4_1 through `Engine.generate`, two threads: 12.6-13.3 ms -> 10.6-11.0.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """GGML-quantized weights: the torch dequantization against the `gguf` package's own
 (exactly), the compiled kernels against `F.linear` on the dequantized weight (within
-`LINEAR_RTOL`), the torch fallback with and without the library, row views and
-stacking, and a few tensors of the real SmolLM2 GGUF file where it is here.
+`LINEAR_RTOL`) and the dot kernel against `quantized_reference` (the same 8-bit
+activations: within float32 summation order) at SmolLM2-135M's shapes, in every
+instruction-set build this CPU runs, the torch fallback with and without the library,
+row views and stacking, and a few tensors of the real SmolLM2 GGUF file where it is here.
 
 The compiled tests wait for the library (`cpu_library`) and skip without a compiler.
 """
@@ -20,11 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvscope.kernels import kernel_build, prebuilt
 from kvscope.kernels.ggml_quants import (
     BLOCKS,
     DEQUANTIZE_RTOL,
+    EXACT_RTOL,
     LINEAR_RTOL,
     check_quant_ops,
+    quantized_reference,
     random_blocks,
 )
 from kvscope.kernels.quantized import (
@@ -109,6 +114,87 @@ def test_compiled_paths_match_f_linear(compiled, qtype: str, dtype: torch.dtype)
         assert relative_error(slabs, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
         one_slab = slab_linear(x, weight, bias, compiled=True)
         assert chosen.equal(dot if rows <= DOT_ROWS else one_slab)
+
+
+#: SmolLM2-135M's linears as (out, in): q/k/v (576, 192, 64 after the split), fused
+#: qkv, o, gate_up, down, lm_head; then rows of 1, 3 and 5 blocks (a kernel taking 4
+#: blocks at a time has 1, 3 or 1 left, at every row and at the weight's end).
+SMOLLM2_SHAPES = (
+    (576, 576),
+    (192, 576),
+    (64, 576),
+    (960, 576),
+    (3072, 576),
+    (576, 1536),
+    (49152, 576),
+    (37, 32),
+    (37, 96),
+    (37, 160),
+)
+
+
+def assert_exact(out: torch.Tensor, x: torch.Tensor, reference_weight, bias, what) -> None:
+    expected = quantized_reference(x, reference_weight, bias)
+    error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error <= EXACT_RTOL[out.dtype], (what, error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_the_dot_kernel_is_exact_at_smollm2_shapes(compiled, qtype: str, dtype) -> None:
+    """The dot kernel at each row count it serves (1 to `DOT_ROWS`) on SmolLM2's shapes
+    in both of its file's types, with a bias on odd row counts: what
+    `quantized_reference` gives, but for the float32 sums' order."""
+    generator = torch.Generator().manual_seed(7)
+    for out_features, k in SMOLLM2_SHAPES:
+        weight = random_weight(qtype, out_features, k, seed=out_features + k)
+        reference_weight = dequantize(weight)
+        for rows in range(1, DOT_ROWS + 1):
+            x = torch.randn(rows, k, generator=generator).to(dtype)
+            bias = torch.randn(out_features, generator=generator).to(dtype) if rows % 2 else None
+            out = dot_linear(x, weight, bias)
+            assert_exact(out, x, reference_weight, bias, (out_features, k, rows))
+
+
+ISA_CHECK = """
+import sys, torch
+from kvscope.kernels.ggml_quants import check_quant_ops
+torch.ops.load_library(sys.argv[1])
+check_quant_ops(torch.ops.kvscope.quant_linear.default, torch.ops.kvscope.quant_dequantize.default)
+print("checked")
+"""
+
+
+@pytest.mark.slow
+def test_every_instruction_set_build_passes_the_load_check(tmp_path: Path, cpu_library) -> None:
+    """`quant_matmul.cpp` alone, built for each prebuilt variant this CPU runs (AVX-512
+    with VNNI, without it, AVX2: each its own vector path), passes the check a library
+    passes at load, which holds the multiply to `quantized_reference`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    flags = set(kernel_build.cpu_flags_line().split())
+    variants = [v for v in prebuilt.VARIANTS if v.needs <= flags]
+    cxx = kernel_build.compiler()
+    assert cxx is not None and variants
+
+    def build(variant: prebuilt.Variant) -> Path:
+        path = tmp_path / f"{variant.name}.so"
+        source = kernel_build.CSRC / "quant_matmul.cpp"
+        command = kernel_build.build_command(cxx, [source], path, march=variant.march)
+        subprocess.run(command, check=True, capture_output=True, timeout=600)
+        return path
+
+    with ThreadPoolExecutor(2) as pool:
+        libraries = list(pool.map(build, variants))
+    for variant, library in zip(variants, libraries, strict=True):
+        result = subprocess.run(
+            [sys.executable, "-c", ISA_CHECK, str(library)],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0 and "checked" in result.stdout, (variant.name, result.stderr)
 
 
 def test_compiled_dequantize_gives_the_torch_weight(compiled) -> None:

@@ -7,7 +7,8 @@
 //       every weight row is read once, its groups of 32 codes dotted with the rows' codes
 //       in 8-bit integers (AVX-512 VNNI's VPDPBUSD, else AVX2's VPMADDUBSW + VPMADDWD:
 //       llama.cpp's vec_dot_q4_1_q8_1 and kin), and each group's int32 sums scaled in
-//       float32. Output rows split over at::parallel_for.
+//       float32. Output rows split over at::parallel_for. Q4_1 with AVX-512 takes four
+//       groups at a time instead (quant_quads.h), on activations laid out for it.
 //   quant_dequantize(out, data, qtype):  W as floats (float32 or bfloat16), for the
 //       slabs a many-row multiply hands to oneDNN.
 //
@@ -26,6 +27,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "quant_quads.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -380,9 +382,43 @@ void dot_row(const uint8_t* row, const Activations& a, int64_t r0, float* result
 // Rows of x at a time through each weight row: as many as registers hold.
 constexpr int64_t kRowTile = 4;
 
+#ifdef KVSCOPE_QUANT_QUADS
+// The weight types quant_quads.h multiplies four blocks at a time.
+template <class Q> struct QuadOf { using type = void; };
+template <> struct QuadOf<Q4_1> { using type = quads::Q4_1Quad; };
+
+template <class L, typename T>
+void quad_rows(T* out, const T* x, const uint8_t* w, const T* bias, int64_t rows, int64_t n,
+               int64_t k, int64_t row_bytes) {
+  const quads::QuadActivations a = quads::quantize_quads<L>(x, rows, k);
+  const uint8_t* weight_end = w + n * row_bytes;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float result[kRowTile];
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* row = w + j * row_bytes;
+      const float b = bias ? widen(bias[j]) : 0.0f;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int64_t tile = std::min(kRowTile, rows - r0);
+        switch (tile) {
+          case 4: quads::dot_row<L, 4>(row, weight_end, k / 32, a, r0, result); break;
+          case 3: quads::dot_row<L, 3>(row, weight_end, k / 32, a, r0, result); break;
+          case 2: quads::dot_row<L, 2>(row, weight_end, k / 32, a, r0, result); break;
+          default: quads::dot_row<L, 1>(row, weight_end, k / 32, a, r0, result); break;
+        }
+        for (int64_t r = 0; r < tile; ++r) out[(r0 + r) * n + j] = static_cast<T>(result[r] + b);
+      }
+    }
+  });
+}
+#endif
+
 template <class Q, typename T>
 void linear_rows(T* out, const T* x, const uint8_t* w, const T* bias, int64_t rows, int64_t n,
                  int64_t k, int64_t row_bytes) {
+#ifdef KVSCOPE_QUANT_QUADS
+  using L = typename QuadOf<Q>::type;
+  if constexpr (!std::is_void_v<L>) return quad_rows<L, T>(out, x, w, bias, rows, n, k, row_bytes);
+#endif
   const Activations a = quantize_rows(x, rows, k);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float result[kRowTile];
