@@ -10,7 +10,6 @@ package, the other benchmark) ever reaches a vLLM launcher.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,12 +17,11 @@ import anyio
 import attrs
 
 from ..core.options import ints
-from ..core.servers import Server, free_port
+from ..core.servers import DEFAULT_VLLM_PYTHON, Server, free_port
 from ..core.workload import Workload
 from .records import ServedRun
 from .served import run_served
 
-DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin/python")
 #: vLLM's CPU docs preload tcmalloc and Intel's OpenMP. tcmalloc (Debian's
 #: libtcmalloc-minimal4) is preloaded where installed. Intel's OpenMP (the venv's
 #: lib/libiomp5.so) is not: with it preloaded, vLLM 0.32's server hung here for over
