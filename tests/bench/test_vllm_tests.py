@@ -20,22 +20,30 @@ import kvscope
 from kvscope.bench.vllm_tests import models, results, sdist, selection
 from kvscope.bench.vllm_tests.pytest_plugin import kvscope_argv, reaches_server, split_flags
 
-ACCEPTED = {"--max-model-len", "--enforce-eager", "--lora-modules", "--port", "--seed"}
+ACCEPTED: dict[str, list[str] | None] = {
+    "--max-model-len": None,
+    "--enforce-eager": None,
+    "--lora-modules": None,
+    "--port": None,
+    "--seed": None,
+    "--dtype": ["auto", "bfloat16"],
+}
 
 
 def test_split_flags_keeps_what_kvscope_takes_with_its_values() -> None:
     args = ["--max_model_len", "2048", "--enforce-eager", "--root-path", "/llm"]
     args += ["--lora-modules", "a=/x", "b=/y", "--hf-overrides={}", "--seed", "-1"]
-    kept, dropped = split_flags(args, ACCEPTED)
+    kept, dropped = split_flags(args + ["--dtype", "float16"], ACCEPTED)
     assert (
         " ".join(kept) == "--max-model-len 2048 --enforce-eager --lora-modules a=/x b=/y --seed -1"
     )
-    assert dropped == ["--root-path", "/llm", "--hf-overrides", "{}"]
+    assert dropped == ["--root-path", "/llm", "--hf-overrides", "{}", "--dtype", "float16"]
+    assert split_flags(["--dtype=bfloat16"], ACCEPTED) == (["--dtype", "bfloat16"], [])
 
 
 def test_kvscope_argv_serves_the_tests_model_name() -> None:
     settings = {
-        "accepted_flags": sorted(ACCEPTED | {"--served-model-name"}),
+        "accepted_flags": ACCEPTED | {"--served-model-name": None},
         "serve": ["python", "-m", "kvscope.cli", "serve"],
         "kvscope_model": "smollm2",
         "kvscope_args": ["--worker", "thread"],

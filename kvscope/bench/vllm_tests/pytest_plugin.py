@@ -31,7 +31,8 @@ VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
 #: The environment variable that carries the settings (JSON): `server` ("kvscope" or
 #: "vllm"), `serve` (the argv prefix of `kvscope serve`), `kvscope_model`, `kvscope_args`
 #: (flags added to every launch),
-#: `accepted_flags` (the option strings `kvscope serve` takes), `lora_dir`, `env`
+#: `accepted_flags` (each option string `kvscope serve` takes, with its choices or
+#: null), `lora_dir`, `env`
 #: (added to each server's environment), `launches` (a file: one JSON line a launch).
 SETTINGS_ENV = "KVSCOPE_VLLM_TESTS"
 
@@ -42,20 +43,32 @@ def is_flag(token: str) -> bool:
     return token.startswith("-") and not token.lstrip("-").replace(".", "").isdigit()
 
 
-def split_flags(args: list[str], accepted: set[str]) -> tuple[list[str], list[str]]:
-    """The options of `args` whose flag is in `accepted`, each with its values, and the
-    ones that are not; vLLM's spellings `--a_b` and `--a-b=value` are both read."""
-    kept: list[str] = []
-    dropped: list[str] = []
-    target = kept
+def options(args: list[str]) -> list[list[str]]:
+    """`args` cut into options, each its flag then its values; vLLM's spellings `--a_b`
+    and `--a-b=value` are read as `--a-b` and `--a-b value`."""
+    found: list[list[str]] = []
     for token in args:
         if is_flag(token):
             flag, eq, value = token.partition("=")
             flag = "--" + flag.lstrip("-").replace("_", "-") if flag.startswith("--") else flag
-            target = kept if flag in accepted else dropped
-            target.extend([flag, value] if eq else [flag])
-        else:
-            target.append(token)
+            found.append([flag, value] if eq else [flag])
+        elif found:
+            found[-1].append(token)
+    return found
+
+
+def split_flags(
+    args: list[str], accepted: dict[str, list[str] | None]
+) -> tuple[list[str], list[str]]:
+    """The options of `args` that `kvscope serve` takes, and the others: an option is
+    taken where `accepted` has its flag and, where it lists the flag's choices, each of
+    its values is one of them."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    for flag, *values in options(args):
+        choices = accepted.get(flag, [])
+        taken = flag in accepted and (choices is None or all(v in choices for v in values))
+        (kept if taken else dropped).extend([flag, *values])
     return kept, dropped
 
 
@@ -63,7 +76,7 @@ def kvscope_argv(
     settings: dict[str, Any], model: str, vllm_args: list[str]
 ) -> tuple[list[str], list[str]]:
     """`kvscope serve` for `vllm serve model *vllm_args`, and the flags it drops."""
-    kept, dropped = split_flags(vllm_args, set(settings["accepted_flags"]))
+    kept, dropped = split_flags(vllm_args, settings["accepted_flags"])
     if "--served-model-name" not in kept:
         kept += ["--served-model-name", model]
     argv = [*settings["serve"], settings["kvscope_model"], *kept, *settings["kvscope_args"]]

@@ -48,13 +48,18 @@ class Setup:
     work: Path
 
 
-def accepted_flags() -> list[str]:
-    """Every option string `kvscope serve` takes."""
+def accepted_flags() -> dict[str, list[str] | None]:
+    """Every option string `kvscope serve` takes, with the values it allows where it
+    lists them (`--dtype`: auto, float32, bfloat16), else None."""
     from kvscope import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    return sorted(s for action in parser._actions for s in action.option_strings)
+    return {
+        flag: None if action.choices is None else [str(c) for c in action.choices]
+        for action in parser._actions
+        for flag in action.option_strings
+    }
 
 
 def kvscope_source() -> Path:
