@@ -148,7 +148,9 @@ def test_lora_adapter_reads_as_a_zero_delta_of_the_model(tmp_path: Path) -> None
     hf |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     hf |= {"intermediate_size": 48}
     (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "tokenizer.json").write_text("{}")
     out = models.lora_adapter(tmp_path / "lora", tmp_path)
+    assert (out / "tokenizer.json").read_text() == "{}"  # tests load it from the adapter
     config = model_config_from_hf(hf, {})
     read_adapter("a", str(out), config, device=torch.device("cpu"), max_rank=models.LORA_RANK)
     tensors = load_file(str(out / "adapter_model.safetensors"))

@@ -28,6 +28,9 @@ MODEL_NAME_PATTERN = re.compile(
 #: The commit every linked snapshot claims to be (the hub cache wants one).
 SNAPSHOT = "0" * 40
 
+#: The checkpoint's files the adapter's directory carries (its tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
 #: The adapter's rank and the projections it adapts.
 LORA_RANK = 8
 LORA_TARGETS = ("q_proj", "v_proj")
@@ -97,4 +100,8 @@ def lora_adapter(out: Path, checkpoint: Path) -> Path:
         "fan_in_fan_out": False,
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    # Adapters on the hub carry their tokenizer, and tests load it from the adapter's path.
+    for name in TOKENIZER_FILES:
+        if (checkpoint / name).is_file() and not (out / name).exists():
+            (out / name).symlink_to((checkpoint / name).resolve())
     return out
