@@ -226,3 +226,24 @@ def test_hf_home_relinks_a_name_only_when_its_checkpoint_changes(tmp_path: Path)
     assert config.lstat().st_mtime_ns == stamp
     models.hf_home(home, ["org/a"], second)
     assert config.read_text() == "second"
+
+
+class CachedHub:
+    """An `hf_api()` whose cache holds one repository."""
+
+    def snapshot_download(self, repo_id: str, **_: object) -> str:
+        if repo_id != "org/model":
+            raise LookupError(repo_id)
+        return "/hub/org-model"
+
+    def list_repo_files(self, repo_id: str) -> list[str]:
+        return ["config.json"]
+
+
+def test_adapters_stand_in_only_for_what_the_cache_lacks() -> None:
+    from kvscope.bench.vllm_tests.pytest_plugin import LocalAdapters
+
+    api = LocalAdapters("/lora", CachedHub())
+    assert api.snapshot_download(repo_id="org/model") == "/hub/org-model"
+    assert api.snapshot_download(repo_id="someone/an-adapter") == "/lora"
+    assert api.list_repo_files("org/model") == ["config.json"]

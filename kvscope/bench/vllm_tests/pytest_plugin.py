@@ -10,7 +10,8 @@ variable (`SETTINGS_ENV`). It adapts the launch and the fixtures, never an asser
   `--served-model-name`; for vLLM, `vllm serve` as the test wrote it (as its API
   server module). Either way the
   model a test names resolves to SmolLM2 through the harness's Hugging Face home.
-* The LoRA fixtures, which download a named adapter, get the harness's SmolLM2 adapter.
+* The LoRA fixtures, which download a named adapter (one the hub cache does not hold),
+  get the harness's SmolLM2 adapter.
 * Tests that never reach a server (unit tests of vLLM's own classes inside a chosen
   file) are deselected: they would pass or fail the same whatever the server.
 """
@@ -116,13 +117,23 @@ def patch_launch(server_class: Any, settings: dict[str, Any]) -> None:
 
 
 class LocalAdapters:
-    """`hf_api()` for the LoRA fixtures: every adapter they name is the harness's."""
+    """`hf_api()` for the tests' process: a repository the (offline) hub cache does not
+    hold is one of the LoRA fixtures' adapters, and is the harness's adapter; the rest
+    is the real `hf_api()`'s (vLLM's own code in the tests' process reads model names
+    through it)."""
 
-    def __init__(self, lora_dir: str) -> None:
+    def __init__(self, lora_dir: str, real: Any) -> None:
         self.lora_dir = lora_dir
+        self.real = real
 
-    def snapshot_download(self, repo_id: str, **_: Any) -> str:
-        return self.lora_dir
+    def snapshot_download(self, repo_id: str, **kwargs: Any) -> str:
+        try:
+            return str(self.real.snapshot_download(repo_id=repo_id, **kwargs))
+        except Exception:  # not in the cache (huggingface_hub's several error types)
+            return self.lora_dir
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
 
 
 def pytest_configure(config: Any) -> None:
@@ -134,8 +145,8 @@ def pytest_configure(config: Any) -> None:
 
     utils = importlib.import_module("tests.utils")  # vLLM's, in the extracted sdist
     patch_launch(utils.RemoteOpenAIServer, settings)
-    adapters = LocalAdapters(settings["lora_dir"])
-    repo_utils.hf_api = lambda *a, **k: adapters
+    real_hf_api = repo_utils.hf_api
+    repo_utils.hf_api = lambda *a, **k: LocalAdapters(settings["lora_dir"], real_hf_api(*a, **k))
 
 
 def reaches_server(fixture_names: list[str], source: str) -> bool:
