@@ -1,9 +1,10 @@
-"""`kvscope bench`: the subcommands `cancel`, `throughput`, `report` and `convert`
-(docs/benchmarks/README.md, "Running them").
+"""`kvscope bench`: the subcommands `cancel`, `throughput`, `report`, `convert` and
+`vllm-tests` (docs/benchmarks/README.md, "Running them"; docs/vllm-tests.md).
 
 `cancel` and `throughput` print markdown tables, and write `--json PATH` and `--plot
 PATH` when asked; `report` prints the tables of saved JSON files again; `convert` writes
-a GGUF file as the Hugging Face directory vLLM serves (`--peer-model`). The benchmarks
+a GGUF file as the Hugging Face directory vLLM serves (`--peer-model`); `vllm-tests`
+runs vLLM's own OpenAI tests against `kvscope serve` and prints a table. The benchmarks
 need the `bench` extra; without it `main` says what to install and exits 2 before
 importing anything heavy. Each subcommand's modules (and the peers' launchers, inside
 `throughput`) are imported only when it runs.
@@ -25,6 +26,7 @@ COMMANDS = {
     "cancel": (".cancel.command", "cancel half of many streams; each hop of the cancel path"),
     "report": (".report", "print the tables of saved --json files again"),
     "convert": (".convert", "a GGUF file as a Hugging Face bf16 directory (for vLLM)"),
+    "vllm-tests": (".vllm_tests.command", "vLLM's own OpenAI-entrypoint tests against kvscope"),
 }
 
 

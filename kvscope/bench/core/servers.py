@@ -35,6 +35,10 @@ from .http import wait_ready
 from .records import Record
 from .workload import Deadline
 
+#: vLLM's python (its own virtualenv, never kvscope's): `bench throughput` starts its
+#: server with it, `bench vllm-tests` runs vLLM's tests with it (docs/benchmarks/README.md).
+DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin/python")
+
 
 def free_port() -> int:
     with socket.socket() as s:

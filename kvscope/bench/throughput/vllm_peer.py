@@ -10,7 +10,6 @@ package, the other benchmark) ever reaches a vLLM launcher.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,12 +17,11 @@ import anyio
 import attrs
 
 from ..core.options import ints
-from ..core.servers import Server, free_port
+from ..core.servers import DEFAULT_VLLM_PYTHON, Server, free_port
 from ..core.workload import Workload
 from .records import ServedRun
 from .served import run_served
 
-DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin/python")
 #: vLLM's CPU docs preload tcmalloc and Intel's OpenMP. tcmalloc (Debian's
 #: libtcmalloc-minimal4) is preloaded where installed. Intel's OpenMP (the venv's
 #: lib/libiomp5.so) is not: with it preloaded, vLLM 0.32's server hung here for over
@@ -31,6 +29,8 @@ DEFAULT_VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON", "/root/vllm-venv/bin
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 #: The dtype vLLM serves in (its CPU build's fast path).
 VLLM_DTYPE = "bfloat16"
+#: GiB of KV cache vLLM's CPU build takes (VLLM_CPU_KVCACHE_SPACE).
+VLLM_KV_SPACE_GIB = 2
 
 
 def vllm_missing(python: str) -> str | None:
@@ -62,13 +62,18 @@ def vllm_version(python: str) -> str:
 
 
 def vllm_server(
-    python: str, model_dir: str, *, threads: int, log_path: Path, kv_space_gib: int = 2
+    python: str,
+    model_dir: str,
+    *,
+    threads: int,
+    log_path: Path,
+    kv_space_gib: int = VLLM_KV_SPACE_GIB,
 ) -> Server:
     port = free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
     if threads >= 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-    if preload := vllm_preload(python):
+    if preload := vllm_preload():
         env["LD_PRELOAD"] = ":".join(preload)
     argv = [
         python,
@@ -92,7 +97,7 @@ def vllm_server(
     )
 
 
-def vllm_preload(python: str) -> list[str]:
+def vllm_preload() -> list[str]:
     """The libraries to preload into vLLM (see `TCMALLOC`), those that are installed."""
     return [str(path) for path in (TCMALLOC,) if path.exists()]
 
