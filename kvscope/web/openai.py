@@ -35,7 +35,7 @@ from .model_names import adapter_of, check_model
 from .openai_prompts import batch, max_tokens, prompt_ids, truncated
 from .openai_run import complete
 from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
-from .reasoning import NONE as NO_REASONING
+from .parsers.reasoning import NONE as NO_REASONING
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 

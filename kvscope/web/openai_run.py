@@ -32,8 +32,8 @@ from .model_names import adapter_of
 from .openai_format import WHOLE_ANSWER_NULLS, Choices, ChunkFormat, usage_of
 from .openai_schemas import OpenAISampling
 from .openai_stream import StreamSetup, stream_chunks
-from .reasoning import NONE as NO_REASONING
-from .reasoning import ReasoningParser
+from .parsers.reasoning import NONE as NO_REASONING
+from .parsers.reasoning import ReasoningParser
 from .sse import StreamBody, sse_response
 from .tools import ToolPlan
 

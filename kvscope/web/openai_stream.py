@@ -30,9 +30,9 @@ from kvscope.kernels.sampling import TokenLogprobs
 
 from .openai_format import Choices, ChunkFormat, usage, usage_of
 from .openai_schemas import OpenAISampling
-from .reasoning import ReasoningParser, ReasoningStream
+from .parsers.reasoning import ReasoningParser, ReasoningStream
+from .parsers.tool_calls import CallStream
 from .sse import DONE, encode
-from .tool_parsers import CallStream
 from .tools import ToolPlan
 
 #: A chunk object, or an SSE message already encoded (the per-token template's).

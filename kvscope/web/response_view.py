@@ -21,8 +21,8 @@ from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.models.tokenizer import Tokenizer
 
 from .openai_format import token_entries
-from .reasoning import NONE as NO_REASONING
-from .reasoning import ReasoningParser
+from .parsers.reasoning import NONE as NO_REASONING
+from .parsers.reasoning import ReasoningParser
 from .responses_schemas import ResponsesBody
 from .tools import ToolPlan
 

@@ -47,8 +47,8 @@ from .openai import read_openai_body
 from .openai_prompts import max_tokens
 from .openai_run import check_params
 from .openai_schemas import ChatMessage, ChatTemplateOptions
-from .reasoning import NONE as NO_REASONING
-from .reasoning import ReasoningParser
+from .parsers.reasoning import NONE as NO_REASONING
+from .parsers.reasoning import ReasoningParser
 from .response_ids import response_id
 from .response_store import ResponseStore, StoredResponse
 from .response_view import ResponseView

@@ -16,8 +16,8 @@ from attrs import validators as v
 from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
 from .cors import CorsPolicy
-from .reasoning import PARSERS as REASONING_PARSERS
-from .tool_parsers import PARSERS
+from .parsers.reasoning import PARSERS as REASONING_PARSERS
+from .parsers.tool_calls import PARSERS
 
 
 def key_id(key: str) -> str:

@@ -31,7 +31,7 @@ import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ApiError
-from .tool_parsers import HERMES, HeldContent, ToolParser, tool_call
+from .parsers.tool_calls import HERMES, HeldContent, ToolParser, tool_call
 
 
 class FunctionDef(BaseModel):

@@ -20,7 +20,7 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 
 from kvscope import Completion
-from kvscope.web.reasoning import ReasoningParser
+from kvscope.web.parsers.reasoning import ReasoningParser
 from kvscope.web.response_view import ResponseView
 from kvscope.web.responses_format import ResponseEvents
 from kvscope.web.responses_schemas import ResponsesBody

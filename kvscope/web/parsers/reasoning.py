@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import attrs
 
-from .tool_parsers import tag_tail
+from .tool_calls import tag_tail
 
 #: The parsers `--reasoning-parser` names.
 PARSERS = ("none", "qwen3", "deepseek_r1")
