@@ -97,7 +97,7 @@ WEB_INTERNAL_IMPORTS = {
     "web/response_view.py": 2,
     "web/responses_format.py": 1,
     # RequestState (the release hook's argument): a public, frozen view of it.
-    "web/metrics.py": 1,
+    "web/ops/metrics.py": 1,
     # GENERATION_DEFAULTED: a public name for the generation-config defaults.
     "web/openai_schemas.py": 1,
     "web/responses_schemas.py": 1,

@@ -24,12 +24,10 @@ from kvscope import Engine
 
 from . import (
     auth,
-    dashboard,
     embeddings,
     errors,
     jobs,
     lora_admin,
-    observability,
     openai,
     responses,
     sagemaker,
@@ -42,7 +40,8 @@ from .context import ServerContext, server
 from .cors import Cors
 from .fast_path import FastPath
 from .guard import BodyGuard
-from .metrics import Metrics
+from .ops import dashboard, observability
+from .ops.metrics import Metrics
 from .settings import ServerSettings
 
 

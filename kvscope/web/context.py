@@ -17,7 +17,7 @@ from quart import current_app
 
 from kvscope import Engine
 
-from .metrics import Metrics
+from .ops.metrics import Metrics
 from .parsers.reasoning import ReasoningParser
 from .parsers.tool_calls import parser_for
 from .settings import ServerSettings

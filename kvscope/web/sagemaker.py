@@ -17,8 +17,8 @@ from .bodies import decode_json
 from .context import server
 from .embeddings import embeddings
 from .errors import ApiError
-from .observability import health_answer
 from .openai import chat_completions, completions
+from .ops.observability import health_answer
 from .scores import rerank, score
 
 blueprint = Blueprint("sagemaker", __name__)

@@ -32,9 +32,9 @@ from kvscope.scheduling import RealtimeLoop, ask_for_short_slices
 from . import wire
 from .app import create_app
 from .context import ServerContext
-from .metrics import Metrics
+from .ops.metrics import Metrics
+from .ops.stats_log import log_stats
 from .settings import ServerSettings
-from .stats_log import log_stats
 
 log = logging.getLogger("kvscope.web")
 

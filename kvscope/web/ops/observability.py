@@ -19,8 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Blueprint, Response
 from quart_schema import document_response
 
-from .context import ServerContext, server
-from .schemas import Health, Readiness, Stats
+from ..context import ServerContext, server
+from ..schemas import Health, Readiness, Stats
 
 blueprint = Blueprint("observability", __name__)
 
