@@ -36,10 +36,10 @@ from . import (
     tokens,
     websocket,
 )
+from .asgi.cors import Cors
+from .asgi.fast_path import FastPath
+from .asgi.guard import BodyGuard
 from .context import ServerContext, server
-from .cors import Cors
-from .fast_path import FastPath
-from .guard import BodyGuard
 from .ops import dashboard, observability
 from .ops.metrics import Metrics
 from .settings import ServerSettings

@@ -29,7 +29,7 @@ from kvscope.config import EngineConfig
 from kvscope.scheduling import LOOP_PRIORITY
 
 from . import lora_admin
-from .cors import CorsPolicy
+from .asgi.cors import CorsPolicy
 from .parsers.reasoning import PARSERS as REASONING_PARSERS
 from .parsers.tool_calls import PARSERS
 from .server import Server

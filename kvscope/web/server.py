@@ -29,8 +29,8 @@ from hypercorn.config import Config as HypercornConfig
 from kvscope import Engine
 from kvscope.scheduling import RealtimeLoop, ask_for_short_slices
 
-from . import wire
 from .app import create_app
+from .asgi import wire
 from .context import ServerContext
 from .ops.metrics import Metrics
 from .ops.stats_log import log_stats

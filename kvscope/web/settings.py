@@ -15,7 +15,7 @@ from attrs import validators as v
 
 from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
-from .cors import CorsPolicy
+from .asgi.cors import CorsPolicy
 from .parsers.reasoning import PARSERS as REASONING_PARSERS
 from .parsers.tool_calls import PARSERS
 

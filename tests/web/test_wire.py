@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvscope.web import wire
+from kvscope.web.asgi import wire
 
 from .conftest import LONG, Live, running_server, wait_clean, wait_tokens
 

@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 import trio
 
-from .auth import is_public, key_of
-from .errors import ApiError, error_body
-from .settings import ServerSettings
+from ..auth import is_public, key_of
+from ..errors import ApiError, error_body
+from ..settings import ServerSettings
 
 Scope = dict[str, Any]
 
