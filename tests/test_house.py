@@ -91,7 +91,7 @@ UPWARD_IMPORTS: set[tuple[str, str]] = set()
 WEB_INTERNAL_IMPORTS = {
     # TokenLogprobs (Delta.logprobs' type) and Tokenizer (Engine.tokenizer's type):
     # exported by kvscope, or the fields read through Engine.
-    "web/events.py": 1,
+    "web/native/events.py": 1,
     "web/openai_format.py": 2,
     "web/openai_stream.py": 1,
     "web/response_view.py": 2,

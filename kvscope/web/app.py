@@ -22,24 +22,12 @@ from quart_trio import QuartTrio
 import kvscope
 from kvscope import Engine
 
-from . import (
-    auth,
-    embeddings,
-    errors,
-    jobs,
-    lora_admin,
-    openai,
-    responses,
-    sagemaker,
-    scores,
-    streaming,
-    tokens,
-    websocket,
-)
+from . import auth, embeddings, errors, lora_admin, openai, responses, sagemaker, scores, tokens
 from .asgi.cors import Cors
 from .asgi.fast_path import FastPath
 from .asgi.guard import BodyGuard
 from .context import ServerContext, server
+from .native import jobs, streaming, websocket
 from .ops import dashboard, observability
 from .ops.metrics import Metrics
 from .settings import ServerSettings

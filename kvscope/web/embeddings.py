@@ -45,11 +45,11 @@ from .chat import chat_prompt
 from .context import ServerContext, disconnect_reason, server
 from .errors import ApiError
 from .model_names import adapter_of
+from .native.schemas import bounded_field
 from .openai import read_openai_body
 from .openai_prompts import Prompt, batch, check_batch, prompt_ids
 from .openai_run import cancel_all
 from .openai_schemas import ChatMessage, ChatTemplateOptions
-from .schemas import bounded_field
 
 blueprint = Blueprint("embeddings", __name__, url_prefix="/v1")
 

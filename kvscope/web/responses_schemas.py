@@ -26,8 +26,8 @@ from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import PRIORITY, SamplingParams
 
 from .errors import ApiError
+from .native.schemas import bounded_field, sampling_field
 from .openai_schemas import MAX_TEMPERATURE, set_by_client
-from .schemas import bounded_field, sampling_field
 from .tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef, ToolPlan
 
 

@@ -29,9 +29,9 @@ from kvscope.params import PRIORITY
 from .context import server
 from .embeddings import embed_inputs
 from .errors import ApiError
+from .native.schemas import bounded_field
 from .openai import read_openai_body
 from .openai_prompts import check_batch
-from .schemas import bounded_field
 
 blueprint = Blueprint("scores", __name__)
 

@@ -23,8 +23,8 @@ from .chat import chat_prompt
 from .context import server
 from .errors import ApiError
 from .model_names import check_model
+from .native.schemas import Strict
 from .openai_schemas import ChatMessage, ChatTemplateOptions
-from .schemas import Strict
 from .tools import ToolDef, ToolPlan
 
 blueprint = Blueprint("tokens", __name__)

@@ -12,7 +12,7 @@ import pytest
 from kvscope import Delta
 from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.web.context import ServerContext
-from kvscope.web.events import TokenEvents, token_event
+from kvscope.web.native.events import TokenEvents, token_event
 from kvscope.web.openai_format import ChunkFormat
 from kvscope.web.ops.metrics import Metrics
 from kvscope.web.settings import ServerSettings

@@ -28,7 +28,7 @@ from kvscope import errors as engine_errors
 from ..auth import key_of
 from ..context import ServerContext
 from ..errors import ApiError, error_body, from_engine
-from ..jobs import cancel_answer
+from ..native.jobs import cancel_answer
 from ..ops.observability import health_answer, stats_answer
 from ..sse import dumps
 

@@ -20,7 +20,7 @@ from quart import Blueprint, Response
 from quart_schema import document_response
 
 from ..context import ServerContext, server
-from ..schemas import Health, Readiness, Stats
+from ..native.schemas import Health, Readiness, Stats
 
 blueprint = Blueprint("observability", __name__)
 

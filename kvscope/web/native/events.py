@@ -18,7 +18,7 @@ from typing import Any
 from kvscope import Delta, Engine
 from kvscope.kernels.sampling import TokenLogprobs
 
-from .sse import dumps
+from ..sse import dumps
 
 Event = dict[str, Any]
 

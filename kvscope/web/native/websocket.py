@@ -23,13 +23,13 @@ from quart import Blueprint, websocket
 
 from kvscope import Engine, KvscopeError
 
-from .auth import current_owner
-from .bodies import decode_json, validate
-from .context import ServerContext, disconnect_reason, server
-from .errors import ApiError, from_engine
+from ..auth import current_owner
+from ..bodies import decode_json, validate
+from ..context import ServerContext, disconnect_reason, server
+from ..errors import ApiError, from_engine
+from ..sse import dumps
 from .events import request_events
 from .schemas import GenerateBody
-from .sse import dumps
 
 log = logging.getLogger("kvscope.web")
 

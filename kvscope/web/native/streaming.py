@@ -10,12 +10,12 @@ from typing import Any
 from quart import Blueprint
 from quart_schema import document_response
 
-from .auth import visible
-from .context import server
-from .errors import ApiError
+from ..auth import visible
+from ..context import server
+from ..errors import ApiError
+from ..sse import StreamBody, sse_response
 from .events import request_events
 from .schemas import ErrorBody
-from .sse import StreamBody, sse_response
 
 blueprint = Blueprint("streaming", __name__)
 

@@ -13,10 +13,11 @@ from typing import Any
 from quart import Blueprint, jsonify
 from quart_schema import document_request, document_response
 
-from .auth import current_owner, visible, visible_to
-from .bodies import read_body
-from .context import ServerContext, server
-from .errors import ApiError
+from ..auth import current_owner, visible, visible_to
+from ..bodies import read_body
+from ..context import ServerContext, server
+from ..errors import ApiError
+from ..sse import StreamBody, sse_response
 from .events import request_events
 from .schemas import (
     Accepted,
@@ -27,7 +28,6 @@ from .schemas import (
     RequestView,
     request_view,
 )
-from .sse import StreamBody, sse_response
 
 blueprint = Blueprint("jobs", __name__)
 
