@@ -92,15 +92,15 @@ WEB_INTERNAL_IMPORTS = {
     # TokenLogprobs (Delta.logprobs' type) and Tokenizer (Engine.tokenizer's type):
     # exported by kvscope, or the fields read through Engine.
     "web/native/events.py": 1,
-    "web/openai_format.py": 2,
-    "web/openai_stream.py": 1,
-    "web/response_view.py": 2,
-    "web/responses_format.py": 1,
+    "web/openai/format.py": 2,
+    "web/openai/stream.py": 1,
+    "web/openai/responses/view.py": 2,
+    "web/openai/responses/format.py": 1,
     # RequestState (the release hook's argument): a public, frozen view of it.
     "web/ops/metrics.py": 1,
     # GENERATION_DEFAULTED: a public name for the generation-config defaults.
-    "web/openai_schemas.py": 1,
-    "web/responses_schemas.py": 1,
+    "web/openai/schemas.py": 1,
+    "web/openai/responses/schemas.py": 1,
 }
 
 

@@ -28,8 +28,8 @@ import attrs
 from kvscope.config import EngineConfig
 from kvscope.scheduling import LOOP_PRIORITY
 
-from . import lora_admin
 from .asgi.cors import CorsPolicy
+from .openai import lora_admin
 from .parsers.reasoning import PARSERS as REASONING_PARSERS
 from .parsers.tool_calls import PARSERS
 from .server import Server

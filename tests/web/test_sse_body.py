@@ -13,7 +13,7 @@ from kvscope import Delta
 from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.web.context import ServerContext
 from kvscope.web.native.events import TokenEvents, token_event
-from kvscope.web.openai_format import ChunkFormat
+from kvscope.web.openai.format import ChunkFormat
 from kvscope.web.ops.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 from kvscope.web.sse import StreamBody, dumps, encode

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from kvscope import Engine
 
-from .errors import ApiError
-from .openai_schemas import OpenAISampling
+from ..errors import ApiError
+from .schemas import OpenAISampling
 
 Prompt = str | list[int]
 #: Most prompts (or texts to embed) in one call, OpenAI's limit for embeddings: each is

@@ -20,11 +20,11 @@ from kvscope import Completion
 from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.models.tokenizer import Tokenizer
 
-from .openai_format import token_entries
-from .parsers.reasoning import NONE as NO_REASONING
-from .parsers.reasoning import ReasoningParser
-from .responses_schemas import ResponsesBody
-from .tools import ToolPlan
+from ...parsers.reasoning import NONE as NO_REASONING
+from ...parsers.reasoning import ReasoningParser
+from ..format import token_entries
+from ..tools import ToolPlan
+from .schemas import ResponsesBody
 
 #: The response status each finish reason leads to.
 STATUS_OF_FINISH = {

@@ -17,9 +17,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from quart import Blueprint
 
-from .context import server
-from .errors import ApiError
-from .openai import read_openai_body
+from ..context import server
+from ..errors import ApiError
+from .completions import read_openai_body
 
 blueprint = Blueprint("lora_admin", __name__, url_prefix="/v1")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvscope import Engine
 
-from .errors import ApiError
+from ..errors import ApiError
 
 
 def check_model(engine: Engine, name: str | None) -> None:

@@ -40,16 +40,16 @@ from quart_schema import document_request
 from kvscope import Job
 from kvscope.params import PRIORITY
 
-from .auth import current_owner
+from ..auth import current_owner
+from ..context import ServerContext, disconnect_reason, server
+from ..errors import ApiError
+from ..native.schemas import bounded_field
 from .chat import chat_prompt
-from .context import ServerContext, disconnect_reason, server
-from .errors import ApiError
+from .completions import read_openai_body
 from .model_names import adapter_of
-from .native.schemas import bounded_field
-from .openai import read_openai_body
-from .openai_prompts import Prompt, batch, check_batch, prompt_ids
-from .openai_run import cancel_all
-from .openai_schemas import ChatMessage, ChatTemplateOptions
+from .prompts import Prompt, batch, check_batch, prompt_ids
+from .run import cancel_all
+from .schemas import ChatMessage, ChatTemplateOptions
 
 blueprint = Blueprint("embeddings", __name__, url_prefix="/v1")
 

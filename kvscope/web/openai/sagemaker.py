@@ -13,12 +13,12 @@ from typing import Any
 
 from quart import Blueprint, request
 
-from .bodies import decode_json
-from .context import server
+from ..bodies import decode_json
+from ..context import server
+from ..errors import ApiError
+from ..ops.observability import health_answer
+from .completions import chat_completions, completions
 from .embeddings import embeddings
-from .errors import ApiError
-from .openai import chat_completions, completions
-from .ops.observability import health_answer
 from .scores import rerank, score
 
 blueprint = Blueprint("sagemaker", __name__)

@@ -25,8 +25,8 @@ from kvscope.beam_search import MAX_BEAM_WIDTH
 from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
-from .native.schemas import bounded_field, sampling_field
-from .openai_options import ResponseFormat, StreamOptions, StructuredOutputs
+from ..native.schemas import bounded_field, sampling_field
+from .options import ResponseFormat, StreamOptions, StructuredOutputs
 from .tools import ToolChoice, ToolDef, ToolPlan
 
 #: OpenAI's limits, narrower than what `SamplingParams` allows.

@@ -25,16 +25,16 @@ from kvscope.beam_search import beam_search as search_beams
 from kvscope.beam_search import gather
 from kvscope.params import GUIDES, SamplingParams, field_of
 
-from .auth import current_owner
-from .context import ServerContext, disconnect_reason
-from .errors import ApiError
+from ..auth import current_owner
+from ..context import ServerContext, disconnect_reason
+from ..errors import ApiError
+from ..parsers.reasoning import NONE as NO_REASONING
+from ..parsers.reasoning import ReasoningParser
+from ..sse import StreamBody, sse_response
+from .format import WHOLE_ANSWER_NULLS, Choices, ChunkFormat, usage_of
 from .model_names import adapter_of
-from .openai_format import WHOLE_ANSWER_NULLS, Choices, ChunkFormat, usage_of
-from .openai_schemas import OpenAISampling
-from .openai_stream import StreamSetup, stream_chunks
-from .parsers.reasoning import NONE as NO_REASONING
-from .parsers.reasoning import ReasoningParser
-from .sse import StreamBody, sse_response
+from .schemas import OpenAISampling
+from .stream import StreamSetup, stream_chunks
 from .tools import ToolPlan
 
 Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens

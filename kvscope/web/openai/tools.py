@@ -30,8 +30,8 @@ from typing import Any, Literal
 import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import ApiError
-from .parsers.tool_calls import HERMES, HeldContent, ToolParser, tool_call
+from ..errors import ApiError
+from ..parsers.tool_calls import HERMES, HeldContent, ToolParser, tool_call
 
 
 class FunctionDef(BaseModel):

@@ -20,8 +20,8 @@ import attrs
 
 from kvscope import Job
 
-from .errors import ApiError
-from .response_view import ResponseView
+from ...errors import ApiError
+from .view import ResponseView
 
 
 @attrs.define(eq=False)

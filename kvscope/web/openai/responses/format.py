@@ -25,10 +25,10 @@ from typing import Any
 from kvscope import Completion
 from kvscope.kernels.sampling import TokenLogprobs
 
-from .parsers.reasoning import ReasoningStream
-from .parsers.tool_calls import CallStream
-from .response_view import ResponseView, item_status_of, text_part
-from .sse import dumps
+from ...parsers.reasoning import ReasoningStream
+from ...parsers.tool_calls import CallStream
+from ...sse import dumps
+from .view import ResponseView, item_status_of, text_part
 
 #: The stream's last event for each final status.
 FINAL_EVENT = {

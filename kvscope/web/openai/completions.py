@@ -27,15 +27,15 @@ from pydantic import BaseModel, ValidationError
 from quart import Blueprint, request
 from quart_schema import document_request
 
-from .bodies import decode_json, validate
+from ..bodies import decode_json, validate
+from ..context import ServerContext, server
+from ..errors import ApiError
+from ..parsers.reasoning import NONE as NO_REASONING
 from .chat import chat_prompt
-from .context import ServerContext, server
-from .errors import ApiError
 from .model_names import adapter_of, check_model
-from .openai_prompts import batch, max_tokens, prompt_ids, truncated
-from .openai_run import complete
-from .openai_schemas import ChatBody, CompletionBody, OpenAISampling
-from .parsers.reasoning import NONE as NO_REASONING
+from .prompts import batch, max_tokens, prompt_ids, truncated
+from .run import complete
+from .schemas import ChatBody, CompletionBody, OpenAISampling
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 

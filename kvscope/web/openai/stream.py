@@ -28,11 +28,11 @@ from typing import Any
 from kvscope import Completion, Delta, Job, merge_streams
 from kvscope.kernels.sampling import TokenLogprobs
 
-from .openai_format import Choices, ChunkFormat, usage, usage_of
-from .openai_schemas import OpenAISampling
-from .parsers.reasoning import ReasoningParser, ReasoningStream
-from .parsers.tool_calls import CallStream
-from .sse import DONE, encode
+from ..parsers.reasoning import ReasoningParser, ReasoningStream
+from ..parsers.tool_calls import CallStream
+from ..sse import DONE, encode
+from .format import Choices, ChunkFormat, usage, usage_of
+from .schemas import OpenAISampling
 from .tools import ToolPlan
 
 #: A chunk object, or an SSE message already encoded (the per-token template's).

@@ -25,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 from kvscope.models.loader import GENERATION_DEFAULTED
 from kvscope.params import PRIORITY, SamplingParams
 
-from .errors import ApiError
-from .native.schemas import bounded_field, sampling_field
-from .openai_schemas import MAX_TEMPERATURE, set_by_client
-from .tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef, ToolPlan
+from ...errors import ApiError
+from ...native.schemas import bounded_field, sampling_field
+from ..schemas import MAX_TEMPERATURE, set_by_client
+from ..tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef, ToolPlan
 
 
 class _Item(BaseModel):

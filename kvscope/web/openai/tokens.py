@@ -18,13 +18,13 @@ from quart_schema import document_request
 
 import kvscope
 
-from .bodies import read_body
+from ..bodies import read_body
+from ..context import server
+from ..errors import ApiError
+from ..native.schemas import Strict
 from .chat import chat_prompt
-from .context import server
-from .errors import ApiError
 from .model_names import check_model
-from .native.schemas import Strict
-from .openai_schemas import ChatMessage, ChatTemplateOptions
+from .schemas import ChatMessage, ChatTemplateOptions
 from .tools import ToolDef, ToolPlan
 
 blueprint = Blueprint("tokens", __name__)

@@ -26,12 +26,12 @@ from quart_schema import document_request
 
 from kvscope.params import PRIORITY
 
-from .context import server
+from ..context import server
+from ..errors import ApiError
+from ..native.schemas import bounded_field
+from .completions import read_openai_body
 from .embeddings import embed_inputs
-from .errors import ApiError
-from .native.schemas import bounded_field
-from .openai import read_openai_body
-from .openai_prompts import check_batch
+from .prompts import check_batch
 
 blueprint = Blueprint("scores", __name__)
 

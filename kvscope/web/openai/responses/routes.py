@@ -38,24 +38,24 @@ from quart_schema import document_request
 
 from kvscope import Job
 
-from .auth import current_owner
-from .chat import chat_prompt, chat_size
-from .context import ServerContext, disconnect_reason, server
-from .errors import ApiError
-from .model_names import adapter_of
-from .openai import read_openai_body
-from .openai_prompts import max_tokens
-from .openai_run import check_params
-from .openai_schemas import ChatMessage, ChatTemplateOptions
-from .parsers.reasoning import NONE as NO_REASONING
-from .parsers.reasoning import ReasoningParser
-from .response_ids import response_id
-from .response_store import ResponseStore, StoredResponse
-from .response_view import ResponseView
-from .responses_format import ResponseEvents
-from .responses_schemas import ResponsesBody, conversation, input_items, listed_items
-from .sse import StreamBody, sse_response
-from .tools import ToolPlan
+from ...auth import current_owner
+from ...context import ServerContext, disconnect_reason, server
+from ...errors import ApiError
+from ...parsers.reasoning import NONE as NO_REASONING
+from ...parsers.reasoning import ReasoningParser
+from ...sse import StreamBody, sse_response
+from ..chat import chat_prompt, chat_size
+from ..completions import read_openai_body
+from ..model_names import adapter_of
+from ..prompts import max_tokens
+from ..run import check_params
+from ..schemas import ChatMessage, ChatTemplateOptions
+from ..tools import ToolPlan
+from .format import ResponseEvents
+from .ids import response_id
+from .schemas import ResponsesBody, conversation, input_items, listed_items
+from .store import ResponseStore, StoredResponse
+from .view import ResponseView
 
 blueprint = Blueprint("responses", __name__, url_prefix="/v1")
 

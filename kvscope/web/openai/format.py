@@ -24,9 +24,9 @@ from kvscope import Completion, Engine
 from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.models.tokenizer import Tokenizer
 
-from .openai_prompts import batch
-from .openai_schemas import CompletionBody, OpenAISampling
-from .sse import dumps, frame
+from ..sse import dumps, frame
+from .prompts import batch
+from .schemas import CompletionBody, OpenAISampling
 
 #: OpenAI keys that vLLM's whole answers (not its chunks) carry as null.
 WHOLE_ANSWER_NULLS: dict[str, None] = {"service_tier": None, "system_fingerprint": None}
