@@ -15,8 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from kvscope import Delta, Engine
-from kvscope.kernels.sampling import TokenLogprobs
+from kvscope import Delta, Engine, TokenLogprobs
 
 from ..sse import dumps
 

@@ -20,9 +20,7 @@ from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from kvscope import Completion, Engine
-from kvscope.kernels.sampling import TokenLogprobs
-from kvscope.models.tokenizer import Tokenizer
+from kvscope import Completion, Engine, Tokenizer, TokenLogprobs
 
 from ..sse import dumps, frame
 from .prompts import batch

@@ -22,8 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope import InvalidRequest
 from kvscope.beam_search import MAX_BEAM_WIDTH
-from kvscope.models.loader import GENERATION_DEFAULTED
-from kvscope.params import MAX_LOGIT_BIAS, PRIORITY, SamplingParams
+from kvscope.params import GENERATION_DEFAULTED, MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
 from ..native.schemas import bounded_field, sampling_field
 from .options import ResponseFormat, StreamOptions, StructuredOutputs

@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from kvscope import Completion, Delta, Job, merge_streams
-from kvscope.kernels.sampling import TokenLogprobs
+from kvscope import Completion, Delta, Job, TokenLogprobs, merge_streams
 
 from ..parsers.reasoning import ReasoningParser, ReasoningStream
 from ..parsers.tool_calls import CallStream

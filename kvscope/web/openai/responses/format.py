@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvscope import Completion
-from kvscope.kernels.sampling import TokenLogprobs
+from kvscope import Completion, TokenLogprobs
 
 from ...parsers.reasoning import ReasoningStream
 from ...parsers.tool_calls import CallStream

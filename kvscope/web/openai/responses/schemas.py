@@ -22,8 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
-from kvscope.models.loader import GENERATION_DEFAULTED
-from kvscope.params import PRIORITY, SamplingParams
+from kvscope.params import GENERATION_DEFAULTED, PRIORITY, SamplingParams
 
 from ...errors import ApiError
 from ...native.schemas import bounded_field, sampling_field

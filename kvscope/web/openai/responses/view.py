@@ -16,9 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvscope import Completion
-from kvscope.kernels.sampling import TokenLogprobs
-from kvscope.models.tokenizer import Tokenizer
+from kvscope import Completion, Tokenizer, TokenLogprobs
 
 from ...parsers.reasoning import NONE as NO_REASONING
 from ...parsers.reasoning import ReasoningParser
