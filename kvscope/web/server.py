@@ -203,7 +203,7 @@ def hypercorn_config(sock: socket.socket, settings: ServerSettings) -> Hypercorn
 
 async def serve_app(app: Any, config: HypercornConfig, backend: str, shutdown_trigger: Any) -> None:
     """Serve `app` on hypercorn until `shutdown_trigger()` returns; its fast-path
-    requests are answered off the wire (`wire.py`)."""
+    requests are answered off the wire (`asgi/wire.py`)."""
     wire.take(app)
     if backend == "trio":
         from hypercorn.trio import serve

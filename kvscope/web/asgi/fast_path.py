@@ -11,8 +11,8 @@ of the server's CPU through Quart, all of it on the event loop in one go, and po
 20 Hz it was the largest of the loop's long passes under load. `FastPath`, an ASGI
 layer in front of the app and behind `BodyGuard` (which has already refused a request
 without a valid key), answers these bodiless requests itself with the same rule and
-the same JSON as their Quart routes (`jobs.cancel_answer`,
-`observability.stats_answer`, `observability.health_answer`: one place for each).
+the same JSON as their Quart routes (`native.jobs.cancel_answer`,
+`ops.observability.stats_answer`, `ops.observability.health_answer`: one place for each).
 Anything else, any of them sent with a body included, goes on to the app unchanged, so
 the routes in the OpenAPI document are still the ones that answer when this layer
 steps aside.

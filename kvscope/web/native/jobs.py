@@ -92,7 +92,7 @@ async def cancel_answer(
     ctx: ServerContext, request_id: str, owner: str | None
 ) -> tuple[int, dict[str, Any]]:
     """`DELETE /requests/{id}` for the key `owner`: the status and the JSON body (the
-    rule in one place: this route and `fast_path.FastPath` both answer with it).
+    rule in one place: this route and `asgi.fast_path.FastPath` both answer with it).
     Raises `ApiError(404)` for an id the key cannot see."""
     if not visible_to(ctx.engine.get(request_id), owner, ctx.settings.api_keys):
         raise ApiError(404, f"no request {request_id!r}", "not_found_error")

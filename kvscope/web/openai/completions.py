@@ -1,8 +1,8 @@
 """The OpenAI-compatible API: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 This module reads and checks a call's body and hands it on: the prompts become token
-ids in `openai_prompts`, `openai_run` runs the samples and answers (whole or streamed),
-`openai_format` shows them in OpenAI's formats. The `n` samples of one prompt are one
+ids in `prompts`, `run` runs the samples and answers (whole or streamed),
+`format` shows them in OpenAI's formats. The `n` samples of one prompt are one
 parent request (sample 0) and `n - 1` children, so cancelling the parent cancels them
 all. A batch of prompts on `/v1/completions` is one such family per prompt (choice
 `i * n + j` is prompt i's sample j). Closing a stream, or leaving before a whole answer,

@@ -1,6 +1,6 @@
 """The option objects an OpenAI body holds (`/v1/completions`, `/v1/chat/completions`):
 `stream_options`, `response_format` (with its `json_schema`) and vLLM's
-`structured_outputs`. Like the bodies (`openai_schemas`), each refuses a field it does
+`structured_outputs`. Like the bodies (`schemas`), each refuses a field it does
 not declare.
 """
 

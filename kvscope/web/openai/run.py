@@ -4,7 +4,7 @@ Each prompt's `n` samples are one family: sample 0 the parent, the rest its chil
 (the engine gives sample i the seed + i), so they share the prompt's KV blocks and
 cancelling the parent cancels them all. A whole answer waits for every sample; if the
 client goes away meanwhile, the `finally` cancels them (reason `disconnect`). A stream
-(`openai_stream`) answers the chunks as the samples produce them, then the usage chunk
+(`stream`) answers the chunks as the samples produce them, then the usage chunk
 if asked and `[DONE]`; closing it cancels every sample (`StreamBody`).
 
 A sampling field the engine refuses is a 400 naming it; a `logit_bias` with bad
@@ -165,7 +165,7 @@ async def complete(
     tools: ToolPlan | None = None,
     reasoning: ReasoningParser = NO_REASONING,
 ) -> Any:
-    """Run the call and answer it: an SSE stream with `stream` (`openai_stream`), else
+    """Run the call and answer it: an SSE stream with `stream` (`stream`), else
     the whole response. A chat's `reasoning` parser tells its reasoning
     (`reasoning_content`) from its answer, the content, in which its tool calls are
     read."""

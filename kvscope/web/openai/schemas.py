@@ -10,7 +10,7 @@ declared and ignored. Declared fields kvscope cannot honour in every value (`bes
 built from the `Bound`s of `kvscope.params` (`sampling_field`), never restated; the
 only limits of this module's own are OpenAI's: `temperature` up to 2 (a narrowing of
 `SamplingParams`' range) and `n` (and `best_of`) up to `MAX_N`. The option objects
-a body holds (`stream_options`, `response_format`, ...) are `openai_options`'.
+a body holds (`stream_options`, `response_format`, ...) are `options`'.
 """
 
 from __future__ import annotations

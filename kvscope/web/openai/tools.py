@@ -4,7 +4,7 @@ The tools reach the chat template as `tools` (as transformers passes them) unles
 `tool_choice` is `none`. What the model writes becomes calls according to the choice:
 
 * `auto` (the default with tools): the calls are read out of the text in the format
-  the model was trained on (`tool_parsers`: Hermes `<tool_call>` blocks, Mistral's
+  the model was trained on (`parsers.tool_calls`: Hermes `<tool_call>` blocks, Mistral's
   `[TOOL_CALLS]`, Llama 3's JSON; the server's `--tool-call-parser`, picked by the
   chat template unless set). The text before the first call is the message's
   content; `finish_reason` is `tool_calls`. Without a well-formed call, the text is the

@@ -35,7 +35,7 @@ async def stats() -> Any:
 
 
 def stats_answer(ctx: ServerContext) -> tuple[int, dict[str, Any]]:
-    """`GET /stats`: the status and the JSON body (this route and `fast_path.FastPath`
+    """`GET /stats`: the status and the JSON body (this route and `asgi.fast_path.FastPath`
     both answer with it)."""
     stats = ctx.engine.stats()
     return 200, {**stats, **ctx.metrics.snapshot(), **_readiness(ctx, stats)}
@@ -57,7 +57,7 @@ async def health() -> Any:
 
 
 def health_answer(ctx: ServerContext) -> tuple[int, dict[str, Any]]:
-    """`GET /health`: the status and the JSON body (this route and `fast_path.FastPath`
+    """`GET /health`: the status and the JSON body (this route and `asgi.fast_path.FastPath`
     both answer with it)."""
     ready = ctx.engine.accepting and not ctx.shutting_down.is_set()
     body = {

@@ -1,5 +1,5 @@
 """The Responses API's stream: `ResponseEvents` makes a streamed response's SSE
-messages from its deltas and its end (the response object itself is `response_view.py`'s).
+messages from its deltas and its end (the response object itself is `view.py`'s).
 
 The events: `response.created` and
 `response.in_progress`; the message's text as `response.output_text.delta` events (a
@@ -12,7 +12,7 @@ makes the events before it again (from the request's log, so alike) and sends th
 rest. Under `tool_choice: auto` the text goes out up to where a call may begin
 (`HeldContent`), then each call as a `function_call` item once its name is whole, its
 arguments as they come (`CallStream`; a call it cannot stream, whole at the end).
-With a reasoning parser (`reasoning.py`) the reasoning is an item of its own, first,
+With a reasoning parser (`parsers/reasoning.py`) the reasoning is an item of its own, first,
 streamed as `response.reasoning_text.delta` events and done before the answer's items
 open.
 """

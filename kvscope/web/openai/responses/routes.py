@@ -2,9 +2,9 @@
 `POST .../cancel` of a stored one, and its `input_items`.
 
 A response is one request of the engine, its prompt the model's chat template over
-the input (`responses_schemas.conversation`, after the conversation of
+the input (`schemas.conversation`, after the conversation of
 `previous_response_id` and a system message of `instructions`). It is answered whole,
-streamed (`responses_format.ResponseEvents`; closing the stream cancels the request)
+streamed (`format.ResponseEvents`; closing the stream cancels the request)
 or, with `background`, at once with its status `queued` or `in_progress`: then `GET`
 shows how it stands and `POST /v1/responses/{id}/cancel` cancels it. `DELETE
 /v1/responses/{id}` forgets a stored response and cancels its request if it still

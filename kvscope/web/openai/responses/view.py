@@ -1,5 +1,5 @@
 """The Responses API's response object: `ResponseView` is one response, its snapshots
-and output items (the stream's events are `responses_format.py`'s).
+and output items (the stream's events are `format.py`'s).
 
 It holds the response's id, what its body asked (shown back in every snapshot, as
 OpenAI's are) and the ids of its output items, which derive from the response's id, so
