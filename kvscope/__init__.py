@@ -14,6 +14,8 @@ from kvscope.errors import (
     RequestConflict,
     UnknownRequest,
 )
+from kvscope.kernels.logprobs import TokenLogprobs
+from kvscope.models.tokenizer import Tokenizer
 from kvscope.params import SamplingParams
 
 __version__ = "0.1.0"
@@ -35,6 +37,8 @@ __all__ = [
     "RequestConflict",
     "RequestInfo",
     "SamplingParams",
+    "TokenLogprobs",
+    "Tokenizer",
     "UnknownRequest",
     "merge_streams",
 ]

@@ -183,6 +183,10 @@ def _json_text(value: Any) -> str | None:
 #: The structured-output fields, of which a request gives at most one.
 GUIDES = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
+#: The sampling fields a checkpoint's generation_config.json gives defaults for: they
+#: fill in what a request leaves unset, on every route.
+GENERATION_DEFAULTED = ("temperature", "top_p", "top_k", "min_p")
+
 
 def field_of(exc: ValueError) -> str | None:
     """The field a `SamplingParams` validation error names (its message starts with it)."""

@@ -9,13 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvscope.params import SamplingParams
+from kvscope.params import GENERATION_DEFAULTED, SamplingParams
 
 from .errors import ModelLoadError
-
-#: The sampling fields a checkpoint's generation_config.json gives defaults for: they
-#: fill in what a request leaves unset, on every route.
-GENERATION_DEFAULTED = ("temperature", "top_p", "top_k", "min_p")
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 
 from .chat import given_chat_template
 from .errors import ModelLoadError
-from .generation_defaults import GENERATION_DEFAULTED, chosen_defaults
+from .generation_defaults import chosen_defaults
 from .gguf import gguf_path, read_gguf
 from .hf_checkpoint import ARCHITECTURES, load_checkpoint, model_config_from_hf
 from .llama import LlamaModel
@@ -30,7 +30,6 @@ from .tiny_random import TINY_CONFIG, random_weights, tiny_random
 __all__ = [
     "ARCHITECTURES",
     "BUNDLED_DIR",
-    "GENERATION_DEFAULTED",
     "TINY_CONFIG",
     "LoadedModel",
     "ModelLoadError",

@@ -44,9 +44,9 @@ from anyio.abc import TaskGroup
 from kvscope import Engine
 from kvscope.web.app import create_app
 from kvscope.web.context import ServerContext, call_deadline
-from kvscope.web.metrics import Metrics
+from kvscope.web.ops.metrics import Metrics
+from kvscope.web.ops.stats_log import log_stats
 from kvscope.web.settings import ServerSettings
-from kvscope.web.stats_log import log_stats
 
 from .among_peers import AmongPeers, Peers, tagged
 from .direct import DirectHosts, DirectListener

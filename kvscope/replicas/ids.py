@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable
 from urllib.parse import parse_qs
 
-from kvscope.web.response_ids import request_of_response
+from kvscope.web.openai.responses.ids import request_of_response
 
 #: The header (or `?replica=` query parameter) that sends a call to one replica.
 REPLICA_HEADER = "x-kvscope-replica"

@@ -22,27 +22,16 @@ from quart_trio import QuartTrio
 import kvscope
 from kvscope import Engine
 
-from . import (
-    auth,
-    dashboard,
-    embeddings,
-    errors,
-    jobs,
-    lora_admin,
-    observability,
-    openai,
-    responses,
-    sagemaker,
-    scores,
-    streaming,
-    tokens,
-    websocket,
-)
+from . import auth, errors
+from .asgi.cors import Cors
+from .asgi.fast_path import FastPath
+from .asgi.guard import BodyGuard
 from .context import ServerContext, server
-from .cors import Cors
-from .fast_path import FastPath
-from .guard import BodyGuard
-from .metrics import Metrics
+from .native import jobs, streaming, websocket
+from .openai import completions, embeddings, lora_admin, sagemaker, scores, tokens
+from .openai.responses import routes as responses
+from .ops import dashboard, observability
+from .ops.metrics import Metrics
 from .settings import ServerSettings
 
 
@@ -90,7 +79,7 @@ def create_app(
         jobs,
         streaming,
         websocket,
-        openai,
+        completions,
         responses,
         embeddings,
         scores,

@@ -17,10 +17,10 @@ from quart import current_app
 
 from kvscope import Engine
 
-from .metrics import Metrics
-from .reasoning import ReasoningParser
+from .ops.metrics import Metrics
+from .parsers.reasoning import ReasoningParser
+from .parsers.tool_calls import parser_for
 from .settings import ServerSettings
-from .tool_parsers import parser_for
 
 #: When the serving layer in front gives up on the current HTTP call (time.monotonic());
 #: None when nothing does. Ray Serve's request timeout sets it (kvscope.replicas), so

@@ -28,12 +28,12 @@ import attrs
 from kvscope.config import EngineConfig
 from kvscope.scheduling import LOOP_PRIORITY
 
-from . import lora_admin
-from .cors import CorsPolicy
-from .reasoning import PARSERS as REASONING_PARSERS
+from .asgi.cors import CorsPolicy
+from .openai import lora_admin
+from .parsers.reasoning import PARSERS as REASONING_PARSERS
+from .parsers.tool_calls import PARSERS
 from .server import Server
 from .settings import STATS_LOG_INTERVAL, ServerSettings
-from .tool_parsers import PARSERS
 from .vllm_flags import names
 
 log = logging.getLogger("kvscope.web")

@@ -29,12 +29,12 @@ from hypercorn.config import Config as HypercornConfig
 from kvscope import Engine
 from kvscope.scheduling import RealtimeLoop, ask_for_short_slices
 
-from . import wire
 from .app import create_app
+from .asgi import wire
 from .context import ServerContext
-from .metrics import Metrics
+from .ops.metrics import Metrics
+from .ops.stats_log import log_stats
 from .settings import ServerSettings
-from .stats_log import log_stats
 
 log = logging.getLogger("kvscope.web")
 
@@ -203,7 +203,7 @@ def hypercorn_config(sock: socket.socket, settings: ServerSettings) -> Hypercorn
 
 async def serve_app(app: Any, config: HypercornConfig, backend: str, shutdown_trigger: Any) -> None:
     """Serve `app` on hypercorn until `shutdown_trigger()` returns; its fast-path
-    requests are answered off the wire (`wire.py`)."""
+    requests are answered off the wire (`asgi/wire.py`)."""
     wire.take(app)
     if backend == "trio":
         from hypercorn.trio import serve

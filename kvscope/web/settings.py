@@ -15,9 +15,9 @@ from attrs import validators as v
 
 from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
-from .cors import CorsPolicy
-from .reasoning import PARSERS as REASONING_PARSERS
-from .tool_parsers import PARSERS
+from .asgi.cors import CorsPolicy
+from .parsers.reasoning import PARSERS as REASONING_PARSERS
+from .parsers.tool_calls import PARSERS
 
 
 def key_id(key: str) -> str:
@@ -82,17 +82,17 @@ class ServerSettings:
     #: and the bytes of their conversations; past either the oldest go first.
     stored_responses: int = attrs.field(default=1000, validator=v.ge(0))
     stored_responses_bytes: int = attrs.field(default=64 << 20, validator=v.ge(0))
-    #: How `tool_choice: auto` reads calls out of the text (`web.tool_parsers`);
+    #: How `tool_choice: auto` reads calls out of the text (`web.parsers.tool_calls`);
     #: `auto` picks the format the chat template shows.
     tool_call_parser: str = attrs.field(default="auto", validator=v.in_(PARSERS))
-    #: How a thinking model's reasoning is told from its answer (`web.reasoning`);
+    #: How a thinking model's reasoning is told from its answer (`web.parsers.reasoning`);
     #: `none` leaves the text whole.
     reasoning_parser: str = attrs.field(default="none", validator=v.in_(REASONING_PARSERS))
-    #: Which browser origins may call, and how (`web.cors`); none unless told.
+    #: Which browser origins may call, and how (`web.asgi.cors`); none unless told.
     cors: CorsPolicy = attrs.field(factory=CorsPolicy, converter=_cors)
-    #: Seconds between two lines of the periodic stats log (`web.stats_log`); 0: none.
+    #: Seconds between two lines of the periodic stats log (`web.ops.stats_log`); 0: none.
     stats_log_interval: float = attrs.field(default=STATS_LOG_INTERVAL, validator=v.ge(0.0))
-    #: vLLM's runtime LoRA loading (`web/lora_admin.py`): `POST /v1/load_lora_adapter`
+    #: vLLM's runtime LoRA loading (`web/openai/lora_admin.py`): `POST /v1/load_lora_adapter`
     #: and `/v1/unload_lora_adapter`; `kvscope serve` sets it from
     #: VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM does.
     runtime_lora_updating: bool = attrs.field(default=False, validator=v.instance_of(bool))

@@ -12,7 +12,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install
 
 from kvscope import Engine  # noqa: E402
 from kvscope.replicas.ids import owner_of  # noqa: E402
-from kvscope.web.response_ids import response_id  # noqa: E402
+from kvscope.web.openai.responses.ids import response_id  # noqa: E402
 
 from .conftest import LONG, Cluster, wait_for  # noqa: E402
 

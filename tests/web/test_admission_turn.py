@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from kvscope.web.context import ServerContext
-from kvscope.web.metrics import Metrics
+from kvscope.web.ops.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 from tests.conftest import open_engine
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import attrs
 
-from kvscope.web.cors import CorsPolicy
+from kvscope.web.asgi.cors import CorsPolicy
 from kvscope.web.settings import ServerSettings
 
 from .conftest import LONG, running_server, wait_clean, wait_tokens

@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 
-from kvscope.web.loop_lag import LagProbe
+from kvscope.web.ops.loop_lag import LagProbe
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.anyio

@@ -12,8 +12,8 @@ import pydantic
 import pytest
 
 from kvscope.bench.core import prometheus
-from kvscope.web.schemas import Stats
-from kvscope.web.vllm_names import VLLM_NAMES
+from kvscope.web.native.schemas import Stats
+from kvscope.web.ops.vllm_names import VLLM_NAMES
 
 from .conftest import LONG, Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
 

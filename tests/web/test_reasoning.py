@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvscope.web.reasoning import ReasoningParser, ReasoningStream
+from kvscope.web.parsers.reasoning import ReasoningParser, ReasoningStream
 
 from .conftest import Live, running_server, wait_clean
 from .test_tools import WEATHER, streamed_calls

@@ -20,10 +20,10 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 
 from kvscope import Completion
-from kvscope.web.reasoning import ReasoningParser
-from kvscope.web.response_view import ResponseView
-from kvscope.web.responses_format import ResponseEvents
-from kvscope.web.responses_schemas import ResponsesBody
+from kvscope.web.openai.responses.format import ResponseEvents
+from kvscope.web.openai.responses.schemas import ResponsesBody
+from kvscope.web.openai.responses.view import ResponseView
+from kvscope.web.parsers.reasoning import ReasoningParser
 
 from .conftest import Live, bundled_with_template, running_server, wait_clean, wait_for, wait_tokens
 from .test_tools import CITY, PAST_CALL, TEMPLATE

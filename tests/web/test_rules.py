@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from kvscope.params import PRIORITY, TIMEOUT, Bound, SamplingParams
-from kvscope.web.openai_schemas import MAX_TEMPERATURE, ChatBody, CompletionBody
-from kvscope.web.schemas import SAMPLING_FIELDS, GenerateBody
+from kvscope.web.native.schemas import SAMPLING_FIELDS, GenerateBody
+from kvscope.web.openai.schemas import MAX_TEMPERATURE, ChatBody, CompletionBody
 
 from .conftest import Live, wait_clean
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvscope.web.openai_prompts import MAX_BATCH
+from kvscope.web.openai.prompts import MAX_BATCH
 
 from .conftest import Live, wait_clean
 

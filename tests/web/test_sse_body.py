@@ -12,9 +12,9 @@ import pytest
 from kvscope import Delta
 from kvscope.kernels.sampling import TokenLogprobs
 from kvscope.web.context import ServerContext
-from kvscope.web.events import TokenEvents, token_event
-from kvscope.web.metrics import Metrics
-from kvscope.web.openai_format import ChunkFormat
+from kvscope.web.native.events import TokenEvents, token_event
+from kvscope.web.openai.format import ChunkFormat
+from kvscope.web.ops.metrics import Metrics
 from kvscope.web.settings import ServerSettings
 from kvscope.web.sse import StreamBody, dumps, encode
 from tests.conftest import open_engine, wait_for

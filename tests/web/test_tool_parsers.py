@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvscope.web.tool_parsers import (
+from kvscope.web.parsers.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvscope.web.tool_parsers import HERMES, HeldContent
+from kvscope.web.parsers.tool_calls import HERMES, HeldContent
 
 from .conftest import Live, bundled_with_template, running_server, wait_clean
 

@@ -1,4 +1,4 @@
-"""The fast path's requests answered off the wire (`web/wire.py`): over one kept-alive
+"""The fast path's requests answered off the wire (`web/asgi/wire.py`): over one kept-alive
 raw socket, the requests it takes and those it leaves to hypercorn follow each other
 and each gets the answer it would get from the routes; it never takes a request it
 should leave (a partial head, two heads at once, HTTP/1.0, a body, `Connection: close`);
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvscope.web import wire
+from kvscope.web.asgi import wire
 
 from .conftest import LONG, Live, running_server, wait_clean, wait_tokens
 

@@ -1,0 +1,92 @@
+"""The prompts of an OpenAI call as token ids, and the context rule for `max_tokens`.
+
+A completions `prompt` is text, token ids, or a batch of either (at most `MAX_BATCH`);
+each becomes a list of token ids (text tokenized off the loop when big), cut to its
+last `truncate_prompt_tokens` if asked. `max_tokens` must leave the prompt and the completion
+inside the model's context, or the call is a 400 naming both numbers (OpenAI's wording);
+unset, it is what fits (chat) or 16 (completions).
+"""
+
+from __future__ import annotations
+
+from kvscope import Engine
+
+from ..errors import ApiError
+from .schemas import OpenAISampling
+
+Prompt = str | list[int]
+#: Most prompts (or texts to embed) in one call, OpenAI's limit for embeddings: each is
+#: tokenized before any runs, on the event loop when short, so the count bounds a call's
+#: time there (a 1 MiB body holds ~250,000 one-letter prompts).
+MAX_BATCH = 2048
+#: The default `max_tokens` of `/v1/completions` (OpenAI's); chat's is what fits.
+COMPLETION_MAX_TOKENS = 16
+
+
+def batch(
+    prompt: str | list[int] | list[str] | list[list[int]], *, param: str = "prompt"
+) -> list[Prompt]:
+    """One prompt (text or token ids) or a batch of them, as a list of prompts; `param`
+    is the field that holds them."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise ApiError(400, f"the {param} is empty", param=param)
+    check_batch(len(prompt), param)
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def check_batch(count: int, param: str) -> None:
+    """A 400 naming `param` if a call holds more than `MAX_BATCH` texts."""
+    if count > MAX_BATCH:
+        raise ApiError(
+            400, f"{param} holds {count} texts; at most {MAX_BATCH} go in one call", param=param
+        )
+
+
+async def prompt_ids(
+    engine: Engine, prompt: Prompt, *, add_special_tokens: bool = True, param: str = "prompt"
+) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, f"the {param} is empty", param=param)
+        # Valid Unicode, at most max_prompt_bytes, and tokenized off the loop when big.
+        return await engine.encode_text(
+            prompt, add_special_tokens=add_special_tokens, what=f"the {param}"
+        )
+    if not prompt:
+        raise ApiError(400, f"the {param} is empty", param=param)
+    return prompt  # the engine checks each id against the vocabulary
+
+
+def truncated(ids: list[int], body: OpenAISampling) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), or all of it."""
+    keep = body.truncate_prompt_tokens
+    return ids if keep is None else ids[-keep:]
+
+
+def max_tokens(
+    engine: Engine, prompt_len: int, asked: int | None, what: str, *, param: str = "max_tokens"
+) -> int:
+    """`asked` if prompt and completion fit the context, else a 400 naming both numbers;
+    unset, the default (what fits, for chat; 16 or what fits, for completions)."""
+    limit = engine.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens; "
+            f"the {what} has {prompt_len} tokens, leaving none for the completion.",
+            param=what,
+        )
+    if asked is None:
+        room = limit - prompt_len
+        return min(room, COMPLETION_MAX_TOKENS) if what == "prompt" else room
+    if prompt_len + asked > limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + asked} tokens ({prompt_len} in the {what}, {asked} for the "
+            f"completion). Please reduce the length of the {what} or of {param}.",
+            param=param,
+        )
+    return asked

@@ -1,0 +1,329 @@
+"""OpenAI-compatible request bodies (`/v1/completions`, `/v1/chat/completions`).
+
+Refused, never ignored: a field that is not declared here is a 400 naming it (a field
+that changes the output and is silently dropped is a wrong answer that looks right).
+Fields with no effect on the output (`user`, `metadata`, `store`, `service_tier`) are
+declared and ignored. Declared fields kvscope cannot honour in every value (`best_of`,
+`tool_choice`, `response_format`) are checked by the route, which names them in its
+400. `top_k`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `repetition_penalty`,
+`priority` and the others docs/openai.md lists are vLLM's extensions. Numeric ranges are
+built from the `Bound`s of `kvscope.params` (`sampling_field`), never restated; the
+only limits of this module's own are OpenAI's: `temperature` up to 2 (a narrowing of
+`SamplingParams`' range) and `n` (and `best_of`) up to `MAX_N`. The option objects
+a body holds (`stream_options`, `response_format`, ...) are `options`'.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvscope import InvalidRequest
+from kvscope.beam_search import MAX_BEAM_WIDTH
+from kvscope.params import GENERATION_DEFAULTED, MAX_LOGIT_BIAS, PRIORITY, SamplingParams
+
+from ..native.schemas import bounded_field, sampling_field
+from .options import ResponseFormat, StreamOptions, StructuredOutputs
+from .tools import ToolChoice, ToolDef, ToolPlan
+
+#: OpenAI's limits, narrower than what `SamplingParams` allows.
+MAX_N = 16
+MAX_TEMPERATURE = 2.0
+
+
+def set_by_client(body: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields of `names` that the client set in `body` (a field with a checkpoint
+    generation default goes only then, so the engine fills it otherwise)."""
+    return {name: getattr(body, name) for name in names if name in body.model_fields_set}
+
+
+#: The fields beam search would not apply (vLLM drops them): refused with it unless
+#: left at their defaults. It applies `n` (the width), `max_tokens`, `temperature` (a
+#: drawn token joins a step's candidates), `ignore_eos`, `include_stop_str_in_output`,
+#: `skip_special_tokens`, `length_penalty`, `priority` and the adapter `model` names.
+BEAM_SEARCH_REFUSES = (
+    "stream",
+    "stream_options",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+    "allowed_token_ids",
+    "bad_words",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "tools",
+    "tool_choice",
+)
+
+
+class OpenAISampling(BaseModel):
+    """Fields both routes take. Any other field is refused with a 400 naming it (for
+    example `suffix`, `functions`, `modalities`); `best_of` above
+    1 is refused too. `user`, `metadata`, `store` and `service_tier` have no effect
+    on the output and are accepted. Log-probabilities are the model's raw ones
+    (before penalties, bias, grammar, temperature, top-k and top-p), as vLLM's
+    default."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = sampling_field("max_tokens", None)
+    temperature: float = sampling_field("temperature", hi=MAX_TEMPERATURE)
+    top_p: float = sampling_field("top_p")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    stop: str | list[str] | None = None
+    seed: int | None = sampling_field("seed", description="any 64-bit integer")
+    presence_penalty: float = sampling_field("presence_penalty")
+    frequency_penalty: float = sampling_field("frequency_penalty")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description=f"token id (a string) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; "
+        f"-{MAX_LOGIT_BIAS:g} bans the token",
+    )
+    top_k: int = sampling_field("top_k")
+    min_p: float = sampling_field("min_p", description="vLLM's; 0 is off")
+    ignore_eos: bool = SamplingParams.default("ignore_eos")
+    include_stop_str_in_output: bool = SamplingParams.default("include_stop_str_in_output")
+    skip_special_tokens: bool = SamplingParams.default("skip_special_tokens")
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these")
+    bad_words: list[str] | None = Field(None, description="vLLM's: words the output may not hold")
+    min_tokens: int = sampling_field("min_tokens")
+    repetition_penalty: float = sampling_field("repetition_penalty")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="vLLM's: keep only the prompt's last k tokens"
+    )
+    prompt_logprobs: int | None = sampling_field(
+        "prompt_logprobs", description="vLLM's: each prompt token's and the top k; not streamed"
+    )
+    priority: int = bounded_field(PRIORITY, 0)
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: constrained decoding"
+    )
+    guided_json: dict[str, Any] | None = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's: a Lark or GBNF grammar")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: json, regex, choice or grammar"
+    )
+    use_beam_search: bool = Field(
+        False, description=f"vLLM's: the n (up to {MAX_BEAM_WIDTH}) best beams; not streamed"
+    )
+    length_penalty: float = Field(
+        1.0, description="vLLM's, with use_beam_search: beams rank by logprob / length ** this"
+    )
+    # No effect on the output: accepted and ignored.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i).
+        A field with a checkpoint generation default (`generation_config.json`) goes only
+        if the client set it, so the engine fills it from the checkpoint otherwise, as
+        vLLM and the native routes do."""
+        params: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            **set_by_client(self, GENERATION_DEFAULTED),
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "logprobs": self.logprobs_wanted,
+            "prompt_logprobs": self.prompt_logprobs_wanted,
+        }
+        optional = {
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "seed": self.seed,
+            "logit_bias": self.logit_bias,
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        if self.response_format is not None:
+            optional["guided_json"] = self.response_format.guide_schema()
+        params.update({k: v for k, v in optional.items() if v is not None})
+        if self.structured_outputs is not None:
+            params.update(self.structured_outputs.guides())
+        return params
+
+    def beam_search_refusal(self) -> tuple[str, str] | None:
+        """With `use_beam_search`, why the body cannot be searched and the field to
+        name (None if it can): beam search is not streamed, and draws with none of the
+        sampling fields (a field it would drop must not be sent)."""
+        if not self.use_beam_search:
+            return None
+        if self.n > MAX_BEAM_WIDTH:
+            return f"use_beam_search takes n of at most {MAX_BEAM_WIDTH} (the beam width)", "n"
+        for name in BEAM_SEARCH_REFUSES:
+            field = type(self).model_fields.get(name)
+            if field is not None and getattr(self, name) != field.default:
+                return f"{name} is not applied with use_beam_search", name
+        return None
+
+    @property
+    def guide_fields(self) -> list[str]:
+        """The fields the client constrained the output with (at most one may be)."""
+        named = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        given = [name for name in named if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if self.structured_outputs is not None:
+            guides = self.structured_outputs.guides()
+            given += [f"structured_outputs.{name.removeprefix('guided_')}" for name in guides]
+        return given
+
+    @property
+    def json_output(self) -> bool:
+        """The output is constrained to JSON (a schema, `json_object`)."""
+        fmt = self.response_format
+        structured = self.structured_outputs
+        return (
+            self.guided_json is not None
+            or (fmt is not None and fmt.type != "text")
+            or (structured is not None and structured.json_ is not None)
+        )
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives per token to report (None: no logprobs)."""
+        return None
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many alternatives per prompt token to report (None: the prompt's are
+        not scored)."""
+        return self.prompt_logprobs
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Each chunk's usage (vLLM's rule: only with `include_usage` too)."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
+class CompletionBody(OpenAISampling):
+    """`POST /v1/completions`: a prompt as text or token ids, or a batch of them."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = Field(False, description="the prompt's text before the completion's")
+    add_special_tokens: bool = Field(True, description="vLLM's: the BOS a text prompt gets")
+    logprobs: int | None = sampling_field(
+        "logprobs", description="log-probabilities of the top k per token"
+    )
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only 1 (or unset)")
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """`prompt_logprobs`, or `echo` with `logprobs` (the echoed prompt's tokens are
+        scored too); the more alternatives of the two."""
+        echoed = self.logprobs if self.echo else None
+        asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(asked) if asked else None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @property
+    def text(self) -> str:
+        """Its content as text: a list of parts keeps its text parts (any other part is
+        refused, `InvalidRequest`)."""
+        content = self.content
+        if content is None or isinstance(content, str):
+            return content or ""
+        parts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatTemplateOptions(BaseModel):
+    """vLLM's options for rendering a chat (`/v1/chat/completions`, `/tokenize`)."""
+
+    add_generation_prompt: bool = Field(True, description="open the assistant's turn")
+    continue_final_message: bool = Field(
+        False, description="end the prompt inside the final (assistant) message"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="more template variables, such as enable_thinking"
+    )
+
+
+class ChatBody(ChatTemplateOptions, OpenAISampling):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = Field(
+        False, description="vLLM's: the answer begins with the last message, the assistant's"
+    )
+    max_completion_tokens: int | None = sampling_field("max_tokens", None)
+    logprobs: bool = False
+    top_logprobs: int | None = sampling_field("logprobs", description="needs logprobs")
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="auto by default with tools")
+    parallel_tool_calls: bool | None = Field(None, description="false: one call at most")
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def echoed(self) -> str | None:
+        """What each answer begins with under `echo`: the last message, when it is the
+        assistant's (vLLM's rule: the new message continues it)."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else None
+
+    @cached_property
+    def tool_plan(self) -> ToolPlan:
+        """What `tools` and `tool_choice` ask (a 400 naming the field if they disagree)."""
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        params = super().sampling(max_tokens)
+        guide = self.tool_plan.guide()
+        if guide is not None:  # a required or named tool call: its arguments' schema
+            params["guided_json"] = guide
+        return params
