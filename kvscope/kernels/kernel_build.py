@@ -27,8 +27,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -120,27 +121,24 @@ def library_path(cxx: str, sources: Sequence[Path]) -> Path:
     return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
 
 
-def compile_library(
-    cxx: str, sources: Sequence[Path], path: Path, started: list[subprocess.Popen[str]]
-) -> str:
+Launch = Callable[[list[str]], "subprocess.Popen[str]"]
+
+
+def compile_library(cxx: str, sources: Sequence[Path], path: Path, launch: Launch) -> str:
     """Build `sources` for this machine into `path`; "" once done, else why not. The
-    running compiler is appended to `started` so that its owner can stop it."""
+    compiler is started by `launch`, so that its owner can stop it (or refuse to start
+    it, raising OSError, once its process is exiting)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Build under a private name, then rename: concurrent builds never see half a file.
         fd, tmp = tempfile.mkstemp(prefix=BUILDING_PREFIX, suffix=".so", dir=path.parent)
         os.close(fd)
-        command = build_command(cxx, sources, Path(tmp))
-        # Its own process group, so that `stop_build` stops the compiler's children too.
-        with subprocess.Popen(
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        ) as build:
-            started.append(build)
-            _, stderr = build.communicate()
+        try:
+            with launch(build_command(cxx, sources, Path(tmp))) as build:
+                _, stderr = build.communicate()
+        except OSError:
+            os.unlink(tmp)
+            raise
         if build.returncode != 0:
             os.unlink(tmp)
             tail = " | ".join(stderr.strip().splitlines()[-3:])
@@ -158,20 +156,41 @@ class BackgroundBuild:
         self.cxx, self.sources = cxx, sources
         self.path = library_path(cxx, sources)
         self._processes: list[subprocess.Popen[str]] = []
+        # Launching and stopping hold one lock: a compiler started while the process
+        # exits (the build thread is a daemon) would otherwise slip past `stop`.
+        self._lock = threading.Lock()
+        self._stopped = False
+        atexit.register(self.stop)
 
     def run(self) -> tuple[str, float]:
         """Build (in the calling thread); ("", seconds) once done, else (why not, 0)."""
         started = time.perf_counter()
-        atexit.register(self.stop)
-        why_not = compile_library(self.cxx, self.sources, self.path, self._processes)
+        why_not = compile_library(self.cxx, self.sources, self.path, self._launch)
         if why_not:
             return why_not, 0.0
         prune_builds(self.path)
         return "", time.perf_counter() - started
 
+    def _launch(self, command: list[str]) -> subprocess.Popen[str]:
+        with self._lock:
+            if self._stopped:
+                raise OSError("the process is exiting")
+            # Its own process group, so that `stop` stops the compiler's children too.
+            build = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            self._processes.append(build)
+            return build
+
     def stop(self) -> None:
-        """(at exit) Stop a build still running: it would outlive this process, and its
-        private file stays for `prune_builds` to find abandoned."""
+        """(at exit) Stop a build still running, and start none after: it would outlive
+        this process, and its private file stays for `prune_builds` to find abandoned."""
+        with self._lock:
+            self._stopped = True
         for build in self._processes:
             if build.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
