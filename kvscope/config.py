@@ -51,6 +51,58 @@ def _lora_modules(value: object) -> tuple[tuple[str, str], ...]:
 
 
 @attrs.frozen(kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` JSON names it: each decode
+    step of a row proposes up to `num_speculative_tokens` tokens by n-gram lookup (the
+    last `prompt_lookup_max` down to `prompt_lookup_min` tokens matched earlier in the
+    prompt and output) and verifies them in one forward (docs/speculative.md)."""
+
+    method: str = attrs.field(default="ngram", validator=v.in_(("ngram",)))
+    num_speculative_tokens: int = attrs.field(default=4, validator=[_positive, v.le(16)])
+    prompt_lookup_max: int = attrs.field(default=4, validator=_positive)
+    prompt_lookup_min: int = attrs.field(default=1, validator=_positive)
+    #: With more running requests than this, steps run without speculation (a large
+    #: batch's step is no longer bound by reading the weights). None: never.
+    disable_by_batch_size: int | None = attrs.field(default=None, validator=v.optional(_positive))
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config: prompt_lookup_min must not exceed prompt_lookup_max"
+            )
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """From vLLM's JSON (a string or a dict), or an instance; None stays None. A key
+        kvscope does not serve is refused, naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"speculative_config: {value!r} is not JSON") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: expected a JSON object")
+        given = dict(value)
+        if given.get("method") is None and "model" not in given:
+            given["method"] = "ngram"
+        if "model" in given or given.get("method") != "ngram":
+            raise ValueError(
+                "speculative_config: only method 'ngram' (prompt lookup) is served; "
+                f"a draft model or method {given.get('method')!r} is not"
+            )
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s): {', '.join(unknown)}")
+        try:
+            return cls(**given)
+        except TypeError as exc:
+            raise ValueError(f"speculative_config: {exc}") from None
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """Cache, scheduler and runtime limits of one engine."""
 
@@ -164,6 +216,10 @@ class EngineConfig:
     #: What every generated request id starts with; a replica puts its own name in it
     #: so that an id says which replica owns it (kvscope.replicas).
     request_id_prefix: str = attrs.field(default="req-", validator=v.matches_re(r"[A-Za-z0-9_.-]+"))
+    #: Speculative decoding (`SpeculativeConfig`, or vLLM's JSON for it); None: off.
+    speculative_config: SpeculativeConfig | None = attrs.field(
+        default=None, converter=lambda value: SpeculativeConfig.parse(value)
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -78,6 +78,7 @@ class Engine:
                 if isinstance(self.runner, ModelRunner)
                 else None
             ),
+            speculative=config.speculative_config,
         )
         self.audit = AuditLog(config.audit_log)
         self._actors = Actors(self.scheduler, self.step, self.registry, self.audit, self.ledger)

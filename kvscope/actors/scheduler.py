@@ -113,8 +113,9 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """Pick the next step.
 
-        Running sequences go first, most urgent first, each taking one decode token or
-        its next prefill chunk out of the token budget (prefill chunks also out of the
+        Running sequences go first, most urgent first, each taking one decode token (and
+        a slot for each token of its draft, `Sequence.draft`) or its next prefill chunk
+        out of the token budget (prefill chunks also out of the
         prefill tokens that fit in the step's time, `step_budget`); when one needs a
         block and none is free, the least urgent, most recent running sequence is
         preempted (its blocks freed, it requeues and later recomputes). Then waiting
@@ -142,6 +143,9 @@ class Scheduler:
                 num_new = min(num_new, prefill)
                 if not num_new:
                     continue  # no time left in this step for its next chunk
+            elif seq.draft:  # a decode row verifies its draft: a slot for each token
+                seq.draft = seq.draft[: budget - 1]
+                num_new += len(seq.draft)
             while not self._reserve(seq, num_new, copies):
                 victim = self._least_urgent_running()
                 self._preempt(victim)
@@ -195,6 +199,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_committed = 0
+        seq.draft = []
         seq.num_preemptions += 1
         seq.status = RequestStatus.PREEMPTED
         self._push_waiting(seq)

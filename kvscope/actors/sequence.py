@@ -61,6 +61,7 @@ class Sequence:
         "owner",
         "num_preemptions",
         "cache_salt",
+        "draft",
     )
 
     def __init__(
@@ -97,6 +98,9 @@ class Sequence:
         #: Starts its prefix-cache hash chain: sequences share cached blocks only with
         #: the same salt (kvscope salts with the API key, see docs/security.md).
         self.cache_salt: bytes | None = None
+        #: Tokens proposed for its next step to verify (speculative decoding,
+        #: `speculation.py`); not part of `tokens` until accepted.
+        self.draft: list[int] = []
         # A child shares its parent's blocks for their common prefix (fork); it waits
         # for the parent to compute that prefix rather than computing it twice.
         self.fork_from = fork_from

@@ -6,6 +6,7 @@ and the history of ended requests, each read from the actor that owns it.
 from __future__ import annotations
 
 from .lifecycle import Actors
+from .speculation import Speculation
 
 
 def engine_stats(actors: Actors) -> dict[str, int]:
@@ -40,4 +41,27 @@ def engine_stats(actors: Actors) -> dict[str, int]:
         # Ended requests kept for look-up by id, and about the bytes they hold.
         "history": actors.registry.num_retained,
         "history_bytes": actors.registry.retained_bytes,
+        **speculation_stats(actors.step.speculation),
+    }
+
+
+def speculation_stats(speculation: Speculation | None) -> dict[str, int]:
+    """Speculative decoding's counts (all 0 with it off): drafts verified, their
+    tokens, the accepted ones, and those by position in the draft (vLLM's names are
+    `vllm:spec_decode_*`; the acceptance rate is accepted over drafted tokens)."""
+    if speculation is None:
+        return {
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
+        }
+    per_position = {
+        f"spec_decode_num_accepted_tokens_pos{position}": count
+        for position, count in enumerate(speculation.accepted_per_position)
+    }
+    return {
+        "spec_decode_num_drafts": speculation.num_drafts,
+        "spec_decode_num_draft_tokens": speculation.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": speculation.num_accepted_tokens,
+        **per_position,
     }

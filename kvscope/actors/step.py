@@ -34,6 +34,7 @@ from anyio.abc import TaskStatus
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
+from kvscope.config import SpeculativeConfig
 from kvscope.execution.runner import ChunkInput, ModelRunner, StepInput
 from kvscope.execution.warm_up import WarmUp
 from kvscope.execution.worker import KVCacheLost, ProcessRunner
@@ -43,6 +44,7 @@ from kvscope.models.llama import StepAborted
 from .messages import StepStatistics
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
+from .speculation import Speculation
 from .wakeups import ReaderWakeups
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class StepActor:
         debug: bool = False,
         on_step: Callable[[float, float, int], None] | None = None,
         warm_up: WarmUp | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -73,6 +76,7 @@ class StepActor:
         self._limiter = anyio.CapacityLimiter(1)
         self._on_step = on_step
         self.warm_up = warm_up  # run while idle (the thread worker's; None otherwise)
+        self.speculation = Speculation.of(speculative)  # drafts rows' next tokens (None: off)
         self._warming = False
         #: Called in the model's thread right before each forward (a test may hold a
         #: step in flight there).
@@ -131,6 +135,8 @@ class StepActor:
         while True:
             if isinstance(self.runner, ProcessRunner) and self.runner.cache_lost:
                 self._recompute_lost_cache(self.runner)
+            if self.speculation is not None:
+                self.speculation.propose(self.scheduler.running)
             step = self.scheduler.schedule() if self.scheduler.has_work() else None
             if step is not None:
                 self.preemptions += len(step.preempted)
@@ -234,17 +240,33 @@ class StepActor:
             if failure is not None:
                 seq.owner.finish_generation("error", error=f"model step failed: {failure!r}")
             elif tokens is not None:
-                start = seq.num_computed
-                self.scheduler.advance(seq, num_new)
-                token = tokens[index]
-                if token is not None and token.prompt_logprobs:
-                    seq.owner.deliver_prompt_logprobs(start, token.prompt_logprobs)
-                if token is not None and token.token is not None:
-                    seq.owner.deliver(token.token, token.logprobs)
-                    self.tokens_generated += 1
-                elif token is not None and token.embedding is not None:
-                    seq.owner.deliver_embedding(token.embedding)
+                self._deliver_row(seq, num_new, tokens[index])
         self.readers.wake(waiters)
+
+    def _deliver_row(self, seq: Sequence, num_new: int, token: Sampled | None) -> None:
+        """Count the K/V a step computed for `seq` and hand its request what it drew.
+        Of a draft, only the accepted tokens' K/V counts (the rest is rolled back: the
+        slots past `num_computed` are written again before anything reads them)."""
+        start, draft, seq.draft = seq.num_computed, seq.draft, []
+        if draft:
+            accepted = token.drafted if token is not None else ()
+            if self.speculation is not None:
+                self.speculation.record(len(draft), len(accepted))
+            for taken, drafted in enumerate(accepted):
+                seq.owner.deliver(drafted)  # appended to `seq.tokens` before it counts
+                self.tokens_generated += 1
+                if seq.skippable():  # a stop, or max_tokens: the rest is not wanted
+                    self.scheduler.advance(seq, num_new - len(draft) + taken)
+                    return
+            num_new += len(accepted) - len(draft)
+        self.scheduler.advance(seq, num_new)
+        if token is not None and token.prompt_logprobs:
+            seq.owner.deliver_prompt_logprobs(start, token.prompt_logprobs)
+        if token is not None and token.token is not None:
+            seq.owner.deliver(token.token, token.logprobs)
+            self.tokens_generated += 1
+        elif token is not None and token.embedding is not None:
+            seq.owner.deliver_embedding(token.embedding)
 
     async def _forward(self, work: StepInput) -> list[Sampled | None]:
         """The step's forward and sampling: sent to the model worker process from the
@@ -272,17 +294,20 @@ class StepActor:
     def _chunk_input(self, seq: Sequence, num_new: int) -> ChunkInput:
         start = seq.num_computed
         end = start + num_new
+        # A draft's tokens follow the sequence's own (the scheduler gave them slots).
+        tokens = seq.tokens + seq.draft if seq.draft else seq.tokens
         # With `prompt_logprobs`: each row scores the prompt token after it, if any.
         scored = seq.params.prompt_logprobs is not None
         return ChunkInput(
-            token_ids=seq.tokens[start:end],
+            token_ids=tokens[start:end],
             start=start,
             block_table=seq.block_table[: blocks_needed(end, self.scheduler.block_size)],
-            sample=end == len(seq.tokens),
+            sample=end == len(tokens),
             params=seq.params,
             generator=seq.generator,
             state=getattr(seq.owner, "sampling", None),
             prompt_targets=seq.tokens[start + 1 : min(end + 1, seq.num_prompt_tokens)]
             if scored
             else [],
+            draft=list(seq.draft),
         )

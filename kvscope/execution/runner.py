@@ -32,6 +32,7 @@ from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
 from kvscope.kernels.sampling import RowState, Sampled, TokenLogprobs, sample, token_logprobs
 from kvscope.kernels.slicing import LinearSlicer
+from kvscope.kernels.speculative import verify_greedy
 from kvscope.models.llama import LayerBatch, LlamaModel, StepAborted
 from kvscope.models.lora import LoraAdapter, LoraRows, lora_rows, read_adapter
 from kvscope.params import SamplingParams
@@ -54,6 +55,9 @@ class ChunkInput:
     #: For a request with `prompt_logprobs`: the prompt tokens this chunk's first rows
     #: predict (each row the token after its own), whose log-probabilities it returns.
     prompt_targets: list[int] = attrs.field(factory=list)
+    #: A draft to verify: the last `len(draft)` of `token_ids` (speculative decoding);
+    #: the chunk then samples at each of its rows (`kernels/speculative.py`).
+    draft: list[int] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -202,14 +206,16 @@ class ModelRunner:
         """Draw the tokens of the chunks that sample, and score the prompt tokens of
         those that ask; `hidden`'s rows are `in_batch`'s chunks, and only those still
         in `live` at the end get an output."""
-        rows, samplers, scored, row = [], [], [], 0
+        rows, samplers, scored, verified, row = [], [], [], [], 0
         drawn: dict[int, Sampled] = {}
         for index in in_batch:
             chunk = chunks[index]
             if chunk.prompt_targets:
                 scored.append((index, row))
             row += len(chunk.token_ids)
-            if chunk.sample and chunk.params.embed:
+            if chunk.sample and chunk.draft:
+                verified.append((index, row - len(chunk.draft) - 1))
+            elif chunk.sample and chunk.params.embed:
                 drawn[index] = Sampled(None, embedding=embedding(hidden[row - 1]))
             elif chunk.sample:
                 rows.append(row - 1)
@@ -225,6 +231,7 @@ class ModelRunner:
                 [chunks[i].state for i in samplers],
             )
             drawn.update(zip(samplers, sampled, strict=True))
+        drawn.update(self._verify(chunks, verified, hidden, pruner, slicer))
         prompt = self._score_prompts(chunks, scored, hidden, pruner, slicer)
         tokens: list[Sampled | None] = [None] * len(chunks)
         for index in live:  # not released at a checkpoint in the output head
@@ -233,6 +240,28 @@ class ModelRunner:
                 token = attrs.evolve(token or Sampled(None), prompt_logprobs=prompt[index])
             tokens[index] = token
         return tokens
+
+    def _verify(
+        self,
+        chunks: list[ChunkInput],
+        verified: list[tuple[int, int]],
+        hidden: torch.Tensor,
+        pruner: _Pruner | None,
+        slicer: LinearSlicer | None,
+    ) -> dict[int, Sampled]:
+        """The accepted draft tokens and the next token of each chunk that verifies a
+        draft, from its rows starting at its first row in `hidden`."""
+        if not verified:
+            return {}
+        rows = [r for i, first in verified for r in range(first, first + len(chunks[i].draft) + 1)]
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)], pruner, slicer)
+        out, at = {}, 0
+        for index, _ in verified:
+            draft = chunks[index].draft
+            accepted, token = verify_greedy(logits[at : at + len(draft) + 1], draft)
+            out[index] = Sampled(token, drafted=tuple(accepted))
+            at += len(draft) + 1
+        return out
 
     def _score_prompts(
         self,

@@ -9,7 +9,7 @@ each request's parameters sent once, the step takes 12 and 16 µs and the answer
 (measured on the 2-core benchmark machine). So:
 
 * a row crosses as a tuple `(token_ids, start, block_table, sample, params key, state,
-  prompt_targets)`;
+  prompt_targets, draft)`;
 * `StepEncoder` (the engine's side, one per worker) gives each `SamplingParams` object
   a key and sends it with the first step that uses it; the worker's `StepDecoder` keeps
   it under that key. A key unused for `FORGET_AFTER` steps is forgotten on both sides
@@ -24,11 +24,12 @@ each request's parameters sent once, the step takes 12 and 16 µs and the answer
   multiprocessing's resource-sharer thread, with an HMAC handshake, per tensor per step
   (measured: most of the parent's GIL time in a step at 32 sampled rows); bytes are
   copied in the pickle;
-* the answer is `("done", tokens, logprobs, states, prompt, embeddings)`: the token of
-  each row (-1 for a row that drew none), the log-probabilities of the rows that have
-  them by row, the generators' states, the prompt log-probabilities of the rows that
-  scored their prompt tokens, and the embeddings of `embed` rows (float32 bytes), by
-  row; or `("aborted",)` or `("error", text)`.
+* the answer is `("done", tokens, logprobs, states, prompt, embeddings, drafted)`: the
+  token of each row (-1 for a row that drew none), the log-probabilities of the rows
+  that have them by row, the generators' states, the prompt log-probabilities of the
+  rows that scored their prompt tokens, the embeddings of `embed` rows (float32 bytes)
+  and the accepted draft tokens of rows that verified one, by row; or `("aborted",)`
+  or `("error", text)`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ FORGET_AFTER = 256
 #: The encoder looks for keys to forget once every this many steps.
 FORGET_EVERY = 64
 
-Row = tuple[list[int], int, list[int], bool, int, Any, list[int]]
+Row = tuple[list[int], int, list[int], bool, int, Any, list[int], list[int]]
 #: A step on the wire: rows, block copies, new parameters by key, keys to forget after
 #: this step, the rows' generator states, and the LoRA adapters' changes.
 StepMessage = tuple[
@@ -93,6 +94,7 @@ class StepEncoder:
                     key,
                     chunk.state,
                     chunk.prompt_targets,
+                    chunk.draft,
                 )
             )
         states = [_bytes(c.generator) if c.generator is not None else None for c in step.chunks]
@@ -140,9 +142,9 @@ class StepDecoder:
         self._params.update(new)
         chunks = [
             ChunkInput(
-                ids, start, table, sample, self._params[key], _generator(raw), state, targets
+                ids, start, table, sample, self._params[key], _generator(raw), state, targets, draft
             )
-            for (ids, start, table, sample, key, state, targets), raw in zip(
+            for (ids, start, table, sample, key, state, targets, draft), raw in zip(
                 rows, states, strict=True
             )
         ]
@@ -167,7 +169,8 @@ def encode_answer(tokens: list[Sampled | None], step: StepInput) -> tuple[Any, .
     states = [_bytes(c.generator) if c.generator is not None else None for c in step.chunks]
     prompt = {i: row.prompt_logprobs for i, row in enumerate(tokens) if row and row.prompt_logprobs}
     embeddings = {i: row.embedding for i, row in enumerate(tokens) if row and row.embedding}
-    return "done", ids, logprobs, states, prompt, embeddings
+    drafted = {i: row.drafted for i, row in enumerate(tokens) if row and row.drafted}
+    return "done", ids, logprobs, states, prompt, embeddings, drafted
 
 
 def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
@@ -178,7 +181,7 @@ def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
         raise StepAborted
     if kind != "done":
         raise RuntimeError(f"model worker: {message[1]}")
-    _, ids, logprobs, states, prompt, embeddings = message
+    _, ids, logprobs, states, prompt, embeddings, drafted = message
     for chunk, state in zip(step.chunks, states, strict=True):
         if chunk.generator is not None and state is not None:
             chunk.generator.set_state(_tensor(state))
@@ -186,7 +189,11 @@ def decode_answer(step: StepInput, message: Any) -> list[Sampled | None]:
         None
         if token < 0 and i not in prompt and i not in embeddings
         else Sampled(
-            None if token < 0 else token, logprobs.get(i), prompt.get(i, ()), embeddings.get(i)
+            None if token < 0 else token,
+            logprobs.get(i),
+            prompt.get(i, ()),
+            embeddings.get(i),
+            drafted.get(i, ()),
         )
         for i, token in enumerate(ids)
     ]

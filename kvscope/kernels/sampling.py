@@ -54,6 +54,9 @@ class Sampled:
     #: For an `embed` request, at its prompt's end: its embedding, float32 values in
     #: the machine's byte order (and no token).
     embedding: bytes | None = None
+    #: For a row that verified a draft: the draft tokens accepted, which come before
+    #: `token` (speculative decoding, `kernels/speculative.py`).
+    drafted: tuple[int, ...] = ()
 
 
 class Guide(Protocol):
