@@ -34,7 +34,8 @@ from anyio.abc import TaskStatus
 
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
-from kvscope.execution.runner import ChunkInput, ModelRunner, StepInput
+from kvscope.execution.runner import ModelRunner
+from kvscope.execution.step_input import ChunkInput, StepInput
 from kvscope.execution.warm_up import WarmUp
 from kvscope.execution.worker import KVCacheLost, ProcessRunner
 from kvscope.kernels.sampling import Sampled

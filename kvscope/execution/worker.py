@@ -63,7 +63,8 @@ from kvscope.models.lora import LoraAdapter
 from kvscope.scheduling import every_thread_as_model_thread, keep_to_cores, threads_of_this_process
 
 from .loop_pipe import LoopPipe
-from .runner import ChunkInput, ModelRunner, StepControl, StepInput
+from .runner import ModelRunner
+from .step_input import ChunkInput, StepControl, StepInput
 from .step_wire import StepDecoder, StepEncoder, decode_answer, encode_answer
 from .warm_up import warm_up_now
 
