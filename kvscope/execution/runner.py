@@ -45,6 +45,14 @@ SCORED_ROWS_AT_ONCE = 256
 
 
 class ModelRunner:
+    """A `Runner` (`execution/runner_protocol.py`) that runs each step in a thread of
+    this process: it has no worker, so none has a pid, restarts or loses the cache."""
+
+    pid: int | None = None
+    restarts = 0
+    caches_lost = 0
+    cache_lost = False
+
     def __init__(
         self,
         model: LlamaModel,
@@ -90,6 +98,13 @@ class ModelRunner:
     def new_control(self) -> StepControl:
         """The control channel the step actor uses for this runner's steps."""
         return StepControl()
+
+    def recovered(self, losses: int) -> None:
+        """No cache is lost here (`cache_lost`): nothing to recover from."""
+
+    async def execute_on_loop(self, step: StepInput) -> list[Sampled | None] | None:
+        """None: each step runs in the model thread (`execute`)."""
+        return None
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         """Run one step; returns each chunk's output: its token and prompt scores (None

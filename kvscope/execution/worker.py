@@ -64,6 +64,7 @@ from kvscope.scheduling import every_thread_as_model_thread, keep_to_cores, thre
 
 from .loop_pipe import LoopPipe
 from .runner import ModelRunner
+from .runner_protocol import KVCacheLost, WorkerDied
 from .step_input import ChunkInput, StepControl, StepInput
 from .step_wire import StepDecoder, StepEncoder, decode_answer, encode_answer
 from .warm_up import warm_up_now
@@ -127,15 +128,6 @@ MALLOC_TUNABLES = {
 #: README.md, "Measured settings": OpenMP threads spin longer). Intel's OpenMP runtime,
 #: where torch uses it, ignores it (its own `KMP_BLOCKTIME` is 200 ms).
 GOMP_SPINCOUNT = 3_000_000
-
-
-class WorkerDied(RuntimeError):
-    """The model worker process exited while a step needed it."""
-
-
-class KVCacheLost(RuntimeError):
-    """A step was sent after the worker holding the K/V cache went away and before the
-    step actor had its running requests recompute (it ran nothing)."""
 
 
 @attrs.frozen
