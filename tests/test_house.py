@@ -72,7 +72,6 @@ PUBLIC_MODULES = frozenset({"kvscope.beam_search", *LAYERS[-1]})
 
 #: Modules over MAX_MODULE_LINES: path -> lines at most.
 LONG_MODULES = {
-    "execution/worker.py": 670,  # split: lifecycle / child / control / wire / sizing
     "kernels/slicing.py": 401,  # the attention parts apart from the linear slicer
 }
 

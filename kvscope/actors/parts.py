@@ -18,10 +18,11 @@ from anyio.abc import TaskStatus
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
+from kvscope.execution.process_runner import ProcessRunner
 from kvscope.execution.runner import ModelRunner
 from kvscope.execution.runner_protocol import Runner, WorkerDied
 from kvscope.execution.warm_up import WarmUp
-from kvscope.execution.worker import ProcessRunner, WorkerSpec
+from kvscope.execution.worker_child import WorkerSpec
 from kvscope.kernels.attention import block_major_cache
 from kvscope.kernels.device import select_device
 from kvscope.models.catalog import resolve_model
