@@ -21,9 +21,6 @@ import anyio
 from anyio.abc import TaskGroup
 
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
-from kvscope.execution.runner import ModelRunner
-from kvscope.execution.warm_up import WarmUp
-from kvscope.execution.worker import ProcessRunner
 from kvscope.kernels.guided import GuideCompiler
 from kvscope.params import SamplingParams
 
@@ -72,14 +69,10 @@ class Engine:
             self.pool,
             debug=config.debug,
             on_step=self._after_step,
-            # the thread worker's; a model worker process warms up before it is ready
-            warm_up=(
-                WarmUp(self.runner, config.max_num_batched_tokens)
-                if isinstance(self.runner, ModelRunner)
-                else None
-            ),
+            warm_up=parts.warm_up,
             speculative=config.speculative_config,
         )
+        self._worker = parts.worker
         self.audit = AuditLog(config.audit_log)
         self._actors = Actors(self.scheduler, self.step, self.registry, self.audit, self.ledger)
         self._tg: TaskGroup | None = None
@@ -111,8 +104,8 @@ class Engine:
         try:
             async with anyio.create_task_group() as tg:
                 engine._tg = tg
-                if isinstance(engine.runner, ProcessRunner):
-                    await tg.start(run_worker, engine.runner)
+                if engine._worker is not None:
+                    await tg.start(run_worker, engine._worker)
                 await tg.start(engine.step.run)
                 try:
                     yield engine

@@ -1,6 +1,7 @@
 """What an engine is built of: the model (loaded off the event loop), and the block
-pool, the scheduler, the K/V cache and the model runner sized from its config; and
-`run_worker`, the model worker process's task in the engine's group."""
+pool, the scheduler, the K/V cache and the model runner sized from its config, with the
+model worker process to start or the warm-up to run while idle; and `run_worker`, the
+model worker process's task in the engine's group."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from anyio.abc import TaskStatus
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
+from kvscope.execution.process_runner import ProcessRunner
 from kvscope.execution.runner import ModelRunner
-from kvscope.execution.worker import ProcessRunner, WorkerDied, WorkerSpec
+from kvscope.execution.runner_protocol import Runner, WorkerDied
+from kvscope.execution.warm_up import WarmUp
+from kvscope.execution.worker_child import WorkerSpec
 from kvscope.kernels.attention import block_major_cache
 from kvscope.kernels.device import select_device
 from kvscope.models.catalog import resolve_model
@@ -39,10 +43,16 @@ class Parts:
     pool: BlockPool
     scheduler: Scheduler
     kv_cache: KVCache
-    runner: ModelRunner | ProcessRunner
+    runner: Runner
     #: The LoRA adapters' table (name -> directory), shared with the runner, which the
     #: engine changes (`Engine.load_adapter`).
     adapters: dict[str, str]
+    #: The model worker process's runner, for the engine to start (`run_worker`); None
+    #: with the thread worker.
+    worker: ProcessRunner | None
+    #: The thread worker's warm-up, run by the step actor while idle; None with a model
+    #: worker process, which warms up before it is ready.
+    warm_up: WarmUp | None
 
 
 async def load_parts(model: str, device: str, dtype: str, config: dict[str, Any]) -> Parts:
@@ -126,8 +136,13 @@ def build_parts(
     local = ModelRunner(
         loaded.model, kv_cache, checkpoint_gap=config.checkpoint_gap, adapters=adapters
     )
-    runner = local if worker is None else ProcessRunner(worker, local, config.max_num_seqs)
-    return Parts(loaded, config, device, pool, scheduler, kv_cache, runner, adapters)
+    process = None if worker is None else ProcessRunner(worker, local, config.max_num_seqs)
+    runner: Runner = local if process is None else process
+    # A model worker process warms up before it is ready; the thread worker, while idle.
+    warm_up = WarmUp(local, config.max_num_batched_tokens) if process is None else None
+    return Parts(
+        loaded, config, device, pool, scheduler, kv_cache, runner, adapters, process, warm_up
+    )
 
 
 async def run_worker(

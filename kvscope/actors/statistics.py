@@ -30,8 +30,8 @@ def engine_stats(actors: Actors) -> dict[str, int]:
         # and leave (the step actor is not counted): 0 when nothing leaked.
         "tasks": actors.ledger.tasks,
         # The model worker process (0 and 0 with worker="thread").
-        "worker_pid": getattr(actors.step.runner, "pid", None) or 0,
-        "worker_restarts": getattr(actors.step.runner, "restarts", 0),
+        "worker_pid": actors.step.runner.pid or 0,
+        "worker_restarts": actors.step.runner.restarts,
         # Row buckets the thread worker's idle warm-up has still to build (0 once
         # done, and with a model worker process, which warms up before it is ready).
         "warm_up_pending": 0 if actors.step.warm_up is None else len(actors.step.warm_up.pending),

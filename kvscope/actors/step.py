@@ -35,9 +35,9 @@ from anyio.abc import TaskStatus
 from kvscope.cache.block_pool import BlockPool
 from kvscope.cache.block_table import blocks_needed
 from kvscope.config import SpeculativeConfig
-from kvscope.execution.runner import ChunkInput, ModelRunner, StepInput
+from kvscope.execution.runner_protocol import KVCacheLost, Runner
+from kvscope.execution.step_input import ChunkInput, StepInput
 from kvscope.execution.warm_up import WarmUp
-from kvscope.execution.worker import KVCacheLost, ProcessRunner
 from kvscope.kernels.sampling import Sampled
 from kvscope.models.llama import StepAborted
 
@@ -54,7 +54,7 @@ class StepActor:
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: ModelRunner | ProcessRunner,
+        runner: Runner,
         pool: BlockPool,
         *,
         debug: bool = False,
@@ -133,8 +133,8 @@ class StepActor:
 
     async def _steps(self) -> None:
         while True:
-            if isinstance(self.runner, ProcessRunner) and self.runner.cache_lost:
-                self._recompute_lost_cache(self.runner)
+            if self.runner.cache_lost:
+                self._recompute_lost_cache()
             if self.speculation is not None:
                 self.speculation.propose(self.scheduler.running)
             step = self.scheduler.schedule() if self.scheduler.has_work() else None
@@ -199,13 +199,13 @@ class StepActor:
         if self._on_step is not None:
             self._on_step(started, forward_seconds, len(live))
 
-    def _recompute_lost_cache(self, runner: ProcessRunner) -> None:
+    def _recompute_lost_cache(self) -> None:
         """The model worker went away with the K/V cache's contents: the running
         requests compute their tokens again, on the next worker."""
-        losses = runner.caches_lost
+        losses = self.runner.caches_lost
         recomputed = self.scheduler.recompute_all()
         self.preemptions += recomputed
-        runner.recovered(losses)
+        self.runner.recovered(losses)
         log.warning(
             "the model worker's K/V cache is gone with it: %d running request(s) compute"
             " their tokens again, and the prefix cache is emptied",
@@ -272,7 +272,7 @@ class StepActor:
         """The step's forward and sampling: sent to the model worker process from the
         event loop where the runner can (no thread to wake and no GIL to pass, each way),
         else in the model thread."""
-        if isinstance(self.runner, ProcessRunner) and not self.before_forward:
+        if not self.before_forward:
             tokens = await self.runner.execute_on_loop(work)
             if tokens is not None:
                 return tokens

@@ -6,22 +6,19 @@ forward runs), applies copy-on-write block copies, builds the flat batch and the
 attention metadata once, runs the forward, samples the rows that need a token, and
 scores the prompt tokens of the chunks that ask (`prompt_logprobs`).
 
-`StepControl` is how the event loop talks to a running step. A request that ends mid-step
-has the step actor's `leave` (actors/step.py) unpin (so free) its chunk's blocks on the
-loop at once, not at the step's end, and mark the chunk (`StepControl.cancel`). At each
-checkpoint of the forward (before every layer's attention and MLP, and between a long
-linear's pieces, `kernels/slicing.py`) the runner takes the chunks cancelled since the
-last one: their rows leave the batch at the next checkpoint that allows it (the remaining
-layers neither compute them nor touch their KV blocks) and go to `StepControl.dropped`,
-a hook nothing waits for. With no chunk left, or the abort flag set, it raises
-`StepAborted`. Every gap between two checkpoints (and from the step's start to the
-first, and from the last to the step's end) is counted in `gaps` (`execution/gaps.py`).
+At each checkpoint of the forward (before every layer's attention and MLP, and between a
+long linear's pieces, `kernels/slicing.py`) the runner takes the chunks cancelled since
+the last one (`StepControl`, `execution/step_input.py`): their rows leave the batch at the
+next checkpoint that allows it (the remaining layers neither compute them nor touch their
+KV blocks) and go to `StepControl.dropped`, a hook nothing waits for. With no chunk left,
+or the abort flag set, it raises `StepAborted`. Every gap between two checkpoints (and
+from the step's start to the first, and from the last to the step's end) is counted in
+`gaps` (`execution/gaps.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 
 import attrs
@@ -30,81 +27,30 @@ import torch
 from kvscope.cache.kv_cache import KVCache
 from kvscope.config import EngineConfig
 from kvscope.kernels.attention import AttentionMetadata, build_metadata, decode_backend
-from kvscope.kernels.sampling import RowState, Sampled, TokenLogprobs, sample, token_logprobs
+from kvscope.kernels.sampling import Sampled, sample
 from kvscope.kernels.slicing import LinearSlicer
-from kvscope.kernels.speculative import verify_greedy
 from kvscope.models.llama import LayerBatch, LlamaModel, StepAborted
 from kvscope.models.lora import LoraAdapter, LoraRows, lora_rows, read_adapter
-from kvscope.params import SamplingParams
 from kvscope.scheduling import as_model_thread
 
 from .gaps import GapRecorder
+from .many_rows import score_prompts, verify_drafts
+from .step_input import ChunkInput, StepControl, StepInput
 
 log = logging.getLogger(__name__)
 
-
-@attrs.frozen
-class ChunkInput:
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # tokens of the sequence already in the cache
-    block_table: list[int]
-    sample: bool  # the chunk reaches the sequence's end: draw its next token
-    params: SamplingParams
-    generator: torch.Generator | None
-    state: RowState | None = None  # the request's tokens and grammar, when sampling needs them
-    #: For a request with `prompt_logprobs`: the prompt tokens this chunk's first rows
-    #: predict (each row the token after its own), whose log-probabilities it returns.
-    prompt_targets: list[int] = attrs.field(factory=list)
-    #: A draft to verify: the last `len(draft)` of `token_ids` (speculative decoding);
-    #: the chunk then samples at each of its rows (`kernels/speculative.py`).
-    draft: list[int] = attrs.field(factory=list)
-
-
-@attrs.frozen
-class StepInput:
-    chunks: list[ChunkInput]  # decode chunks (one token) first
-    copies: list[tuple[int, int]]
-    #: Changes to the LoRA adapters' table since the last step, for a runner that keeps
-    #: its own (a model worker's): each name's new directory, or None where it is gone.
-    adapters: dict[str, str | None] = attrs.field(factory=dict)
-
-
-class StepControl:
-    """Thread-safe channel from the event loop into the running step."""
-
-    def __init__(self) -> None:
-        self.abort = threading.Event()
-        self._lock = threading.Lock()
-        self._cancelled: set[int] = set()
-
-    def reset(self) -> None:
-        with self._lock:
-            self._cancelled.clear()
-        self.abort.clear()
-
-    def cancel(self, chunk: int) -> None:
-        """(event loop) Chunk `chunk` of the running step is no longer wanted."""
-        with self._lock:
-            self._cancelled.add(chunk)
-
-    def take_cancelled(self) -> set[int]:
-        """(worker) The chunks cancelled since the last call."""
-        with self._lock:
-            taken, self._cancelled = self._cancelled, set()
-        return taken
-
-    def dropped(self, chunks: list[int]) -> None:
-        """(worker) These chunks left the batch. Nothing waits for it (the loop freed
-        their blocks when it cancelled them); a hook for whoever observes the forward."""
-
-
 _DEFAULT_GAP = EngineConfig().checkpoint_gap  # one place for the default
-#: Prompt rows scored per pass of the output head: their float32 logits (and their
-#: log-softmax) are this many vocabulary-wide rows: 128 MiB for a 128k vocabulary.
-SCORED_ROWS_AT_ONCE = 256
 
 
 class ModelRunner:
+    """A `Runner` (`execution/runner_protocol.py`) that runs each step in a thread of
+    this process: it has no worker, so none has a pid, restarts or loses the cache."""
+
+    pid: int | None = None
+    restarts = 0
+    caches_lost = 0
+    cache_lost = False
+
     def __init__(
         self,
         model: LlamaModel,
@@ -150,6 +96,13 @@ class ModelRunner:
     def new_control(self) -> StepControl:
         """The control channel the step actor uses for this runner's steps."""
         return StepControl()
+
+    def recovered(self, losses: int) -> None:
+        """No cache is lost here (`cache_lost`): nothing to recover from."""
+
+    async def execute_on_loop(self, step: StepInput) -> list[Sampled | None] | None:
+        """None: each step runs in the model thread (`execute`)."""
+        return None
 
     def execute(self, step: StepInput, control: StepControl | None = None) -> list[Sampled | None]:
         """Run one step; returns each chunk's output: its token and prompt scores (None
@@ -231,8 +184,12 @@ class ModelRunner:
                 [chunks[i].state for i in samplers],
             )
             drawn.update(zip(samplers, sampled, strict=True))
-        drawn.update(self._verify(chunks, verified, hidden, pruner, slicer))
-        prompt = self._score_prompts(chunks, scored, hidden, pruner, slicer)
+
+        def head(rows: list[int]) -> torch.Tensor:  # the output head over these rows
+            return self.model.logits(hidden[torch.tensor(rows, device=self.device)], pruner, slicer)
+
+        drawn.update(verify_drafts(chunks, verified, head))
+        prompt = score_prompts(chunks, scored, head)
         tokens: list[Sampled | None] = [None] * len(chunks)
         for index in live:  # not released at a checkpoint in the output head
             token = drawn.get(index)
@@ -240,61 +197,6 @@ class ModelRunner:
                 token = attrs.evolve(token or Sampled(None), prompt_logprobs=prompt[index])
             tokens[index] = token
         return tokens
-
-    def _verify(
-        self,
-        chunks: list[ChunkInput],
-        verified: list[tuple[int, int]],
-        hidden: torch.Tensor,
-        pruner: _Pruner | None,
-        slicer: LinearSlicer | None,
-    ) -> dict[int, Sampled]:
-        """The accepted draft tokens and the next token of each chunk that verifies a
-        draft, from its rows starting at its first row in `hidden`."""
-        if not verified:
-            return {}
-        rows = [r for i, first in verified for r in range(first, first + len(chunks[i].draft) + 1)]
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)], pruner, slicer)
-        out, at = {}, 0
-        for index, _ in verified:
-            draft = chunks[index].draft
-            accepted, token = verify_greedy(logits[at : at + len(draft) + 1], draft)
-            out[index] = Sampled(token, drafted=tuple(accepted))
-            at += len(draft) + 1
-        return out
-
-    def _score_prompts(
-        self,
-        chunks: list[ChunkInput],
-        scored: list[tuple[int, int]],
-        hidden: torch.Tensor,
-        pruner: _Pruner | None,
-        slicer: LinearSlicer | None,
-    ) -> dict[int, tuple[TokenLogprobs, ...]]:
-        """The log-probabilities of each scored chunk's `prompt_targets`, from the rows
-        starting at its first row in `hidden` (the output head over a few hundred at once)."""
-        if not scored:
-            return {}
-        rows: list[int] = []
-        targets: list[int] = []
-        ks: list[int] = []
-        for index, first in scored:
-            chunk = chunks[index]
-            rows.extend(range(first, first + len(chunk.prompt_targets)))
-            targets += chunk.prompt_targets
-            ks += [chunk.params.prompt_logprobs or 0] * len(chunk.prompt_targets)
-        values: list[TokenLogprobs] = []
-        for at in range(0, len(rows), SCORED_ROWS_AT_ONCE):  # a vocabulary-wide row each
-            piece = slice(at, at + SCORED_ROWS_AT_ONCE)
-            picked = hidden[torch.tensor(rows[piece], device=self.device)]
-            logits = self.model.logits(picked, pruner, slicer)
-            values += token_logprobs(logits, targets[piece], ks[piece])
-        out, at = {}, 0
-        for index, _ in scored:
-            count = len(chunks[index].prompt_targets)
-            out[index] = tuple(values[at : at + count])
-            at += count
-        return out
 
     def _step_adapters(self, step: StepInput) -> dict[str, LoraAdapter]:
         """Apply the step's changes to the adapters' table; return the adapters its

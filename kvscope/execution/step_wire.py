@@ -43,7 +43,7 @@ from kvscope.kernels.sampling import Sampled
 from kvscope.models.llama import StepAborted
 from kvscope.params import SamplingParams
 
-from .runner import ChunkInput, StepInput
+from .step_input import ChunkInput, StepInput
 
 #: Steps after its last use when a request's parameters are forgotten by both sides.
 FORGET_AFTER = 256

@@ -31,7 +31,8 @@ from kvscope.models.llama import StepAborted
 from kvscope.params import SamplingParams
 
 from .gaps import GapRecorder
-from .runner import ChunkInput, ModelRunner, StepControl, StepInput
+from .runner import ModelRunner
+from .step_input import ChunkInput, StepControl, StepInput
 
 log = logging.getLogger(__name__)
 

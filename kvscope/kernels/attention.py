@@ -31,7 +31,7 @@ is ready and, timed against SDPA when it loaded, was the quicker here
 where the CPU has them, and there it wins. Longer chunks, other devices, and the CPU
 before the kernel is ready take SDPA (`reference.sdpa_own_rows`, `sdpa_prefill`).
 
-Given a `PrefillSlicing` (the forward's `kernels.slicing.LinearSlicer`) and a checkpoint
+Given a `PrefillSlicing` (`kernels.attention_slicing.AttentionSlicer`) and a checkpoint
 hook, the in-place runs attend in pieces of rows of nearly equal work (`split_run`),
 the runs of fresh chunks in groups of chunks and the other chunks in even ranges of
 rows, each piece timed for the slicer, with the hook between two pieces and after the
@@ -92,8 +92,8 @@ __all__ = [
 
 
 class PrefillSlicing(Protocol):
-    """How many pieces a prefill's attention is cut into (`kernels.slicing`), told how
-    long each piece took."""
+    """How many pieces a prefill's attention is cut into (`kernels.attention_slicing`),
+    told how long each piece took."""
 
     def attention_parts(self, path: str, keys: int) -> int: ...
 

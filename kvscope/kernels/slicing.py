@@ -1,5 +1,6 @@
-"""Slicing a long linear layer, and a prefill's attention, so that the forward's next
-checkpoint is never far away.
+"""Slicing a long linear layer, so that the forward's next checkpoint is never far
+away (a prefill's attention is cut too: `kernels/attention_slicing.py`, its pieces
+learned by the slicer's `attention`).
 
 A cancel waits for the forward's next checkpoint. Between two of them lies at least one
 matrix multiply, and in a step that carries a long prefill chunk one multiply takes
@@ -15,8 +16,8 @@ met (the quickest of a few calls at 1 and `PROBE_ROWS` rows), so the number of p
 follows this machine and this thread count. Only CPU tensors are sliced: elsewhere the
 forward does not wait for its kernels, so timing a call says nothing. A piece has at
 least `MIN_COLUMNS` columns, its cuts fall on multiples of `ALIGN` columns
-(`column_ranges`), and the pieces are views of the weights (no copy) for the
-plain and float32-copy layouts.
+(`column_ranges`, `kernels/slice_ranges.py`), and the pieces are views of the weights
+(no copy) for the plain and float32-copy layouts.
 
 Where the columns run out (a step of 1,536 rows: the reference model's four 256-column
 pieces of qkv took ~5 ms each at one thread on the 2-core AVX2 machine), the rows are
@@ -25,13 +26,6 @@ multiplies every column piece in turn, reading the pieces' weights once a range.
 ranges are cut as those of the rows' bucket are, and each multiplies at its range's
 row count there, so a step runs at the row counts of its bucket's warm-up step, whose
 oneDNN kernels are built. A float32 copy's input is widened a range at a time.
-
-A prefill's attention is cut the same way (`attention_parts`, `kernels.attention`):
-the chunks of a step into pieces of nearly equal work, of rows (a cut may fall inside a
-chunk) for the compiled in-place kernel, of whole chunks for SDPA's chunks that start
-their sequences, and of rows for SDPA's other chunks. Its cost is
-learned as it runs, per path: seconds per key attended, an exponential average of
-each piece's own (`ATTENTION_FOLLOW`), one piece until a piece was timed.
 
 Measured in-process, 32 prompts of 512 tokens at a 2 ms target, reference model, AVX2
 machine: the checkpoint gap's p99 went from 22 to 4.6 ms at one thread (4.3 at two),
@@ -69,11 +63,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvscope.kernels.attention_slicing import AttentionSlicer
 from kvscope.kernels.fused import silu_and_mul
 from kvscope.kernels.linear import (
-    BUCKET_LARGE,
-    BUCKET_SMALL,
-    BUCKET_SMALL_UNTIL,
     WIDE_ROWS,
     Linear,
     bucket_rows,
@@ -82,6 +74,7 @@ from kvscope.kernels.linear import (
     reorder,
 )
 from kvscope.kernels.quantized import QuantizedWeight, quantized_linear
+from kvscope.kernels.slice_ranges import RowRange, column_ranges, row_range, row_ranges
 
 #: Rows of the second probe call (the first has one).
 PROBE_ROWS = 64
@@ -93,15 +86,6 @@ MIN_COLUMNS = 256
 #: Fewest rows in one row range of a layer cut by rows too (`row_ranges`): a multiply
 #: of fewer rows reads the whole piece of weights for too little work.
 MIN_ROWS = 64
-#: How far the learned seconds per key of a prefill's attention move toward each
-#: piece's own (an exponential average: one slow piece, preempted, moves it little).
-ATTENTION_FOLLOW = 0.2
-#: Pieces are cut on multiples of this many columns (of each half, for gate_up's paired
-#: pieces): oneDNN multiplies other widths slower. The reference model at 2,048 rows on
-#: the 2-core AMX machine, gate_up in 3 paired pieces: its MLP took 7.1 ms with halves
-#: of 469-470 columns against 5.4 with 448-512 (4.9 whole), and an in-process step of 8
-#: prompts of 256 tokens 109-111 ms against 92 (89-92 whole), medians of two runs each.
-ALIGN = 64
 #: The most memory the prepacked pieces of all linear layers may take, in bytes.
 PACKED_PIECES_BUDGET = 1 << 30
 
@@ -128,8 +112,8 @@ class LinearSlicer:
         self._pieces: dict[tuple[int, int, str], list[Piece]] = {}
         self._keep: dict[int, Linear] = {}  # keeps the ids above meaningful
         self._packed_bytes = 0
-        #: Seconds a prefill's attention takes per key attended, by path (learned).
-        self._key_seconds: dict[str, float] = {}
+        #: How many pieces a prefill's attention is cut into (`kernels.attention`).
+        self.attention = AttentionSlicer(target)
 
     def pieces(self, linear: Linear, rows: int) -> int:
         """How many column pieces `linear` is cut into at `rows` rows."""
@@ -163,19 +147,6 @@ class LinearSlicer:
             return False
         costs = (self.cost(linear) for linear in linears)
         return sum(a + b * rows for a, b in costs) <= self.target
-
-    def attention_parts(self, path: str, keys: int) -> int:
-        """How many pieces a prefill's attention over `keys` keys in all (its rows'
-        keys summed) is cut into on `path`: one until a piece on it was timed."""
-        rate = self._key_seconds.get(path)
-        return 1 if rate is None else max(1, math.ceil(keys * rate / self.target))
-
-    def attention_took(self, path: str, seconds: float, keys: int) -> None:
-        """A piece on `path` over `keys` keys took `seconds`: the rate follows it."""
-        if keys <= 0:
-            return
-        rate, last = seconds / keys, self._key_seconds.get(path)
-        self._key_seconds[path] = rate if last is None else last + ATTENTION_FOLLOW * (rate - last)
 
     def cost(self, linear: Linear) -> tuple[float, float]:
         """(a, b) of `linear`'s shape and layout, measured on first use."""
@@ -262,7 +233,7 @@ class LinearSlicer:
             packed = linear.wide_packed if wide else linear.packed
             pack = packed is not None and isinstance(weight, torch.Tensor) and self._reserve(weight)
             self._pieces[key] = [
-                _piece(_row_range(weight, lo, hi), None if bias is None else bias[lo:hi], pack)
+                _piece(row_range(weight, lo, hi), None if bias is None else bias[lo:hi], pack)
                 for lo, hi in column_ranges(weight.shape[0], pieces)
             ]
         return self._pieces[key]
@@ -329,44 +300,6 @@ def _products(
             first = False
             yield rows, start, piece, _multiply(piece, x_in[rows], at)
             start += piece.columns // 2 if halves else piece.columns
-
-
-class RowRange(NamedTuple):
-    """Rows of a layer's input, and the row count their multiply runs at."""
-
-    rows: slice
-    at: int
-
-
-def row_ranges(rows: int, parts: int) -> list[RowRange]:
-    """`parts` nearly equal ranges of `rows` rows, cut as those of its bucket
-    (`bucket_rows`) are, on multiples of the bucket's step, each multiplied at the row
-    count of that bucket's range: a step multiplies at the row counts of the warm-up
-    step of its bucket, whose kernels are built. Only the last range is short of it."""
-    padded = bucket_rows(rows)
-    unit = BUCKET_LARGE if padded > BUCKET_SMALL_UNTIL else BUCKET_SMALL
-    parts = max(1, min(parts, padded // unit))
-    cuts = [round(i * (padded // unit) / parts) * unit for i in range(parts)] + [padded]
-    return [
-        RowRange(slice(lo, min(hi, rows)), hi - lo)
-        for lo, hi in zip(cuts, cuts[1:], strict=False)
-        if lo < rows
-    ]
-
-
-def column_ranges(size: int, pieces: int) -> list[tuple[int, int]]:
-    """The (start, end) columns of `pieces` nearly equal pieces of `size` columns, cut
-    on multiples of `ALIGN` where every piece can have one."""
-    unit = ALIGN if size >= ALIGN * pieces else 1
-    cuts = [round(i * (size // unit) / pieces) * unit for i in range(pieces)] + [size]
-    return list(zip(cuts, cuts[1:], strict=False))
-
-
-def _row_range(
-    weight: torch.Tensor | QuantizedWeight, lo: int, hi: int
-) -> torch.Tensor | QuantizedWeight:
-    """Rows `lo:hi` of a weight (its output columns), a view whatever its type."""
-    return weight.rows(lo, hi) if isinstance(weight, QuantizedWeight) else weight[lo:hi]
 
 
 def _piece(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, pack: bool) -> Piece:

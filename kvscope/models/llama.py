@@ -235,8 +235,8 @@ class LlamaModel:
             qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         attended = paged_attention(
-            q, k, v, keys, values, batch.meta, self.scale,
-            written=written, slicing=slicer, between=between,
+            q, k, v, keys, values, batch.meta, self.scale, written=written,
+            slicing=None if slicer is None else slicer.attention, between=between,
         )  # fmt: skip
         if between is not None:
             between()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvscope.cache.kv_cache import KVCache
-from kvscope.execution.runner import ChunkInput, ModelRunner, StepControl, StepInput
+from kvscope.execution.runner import ModelRunner
+from kvscope.execution.step_input import ChunkInput, StepControl, StepInput
 from kvscope.kernels.attention import block_major_cache
 from kvscope.models.llama import LayerBatch, StepAborted
 from kvscope.models.loader import tiny_random

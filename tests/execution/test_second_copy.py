@@ -1,12 +1,12 @@
 """Whether the model worker may load its copy of the model while the engine still
-holds its own (`execution/worker.py`): a model that would not fit twice has the engine's
-copy released before the worker starts."""
+holds its own (`execution/worker_memory.py`): a model that would not fit twice has
+the engine's copy released before the worker starts."""
 
 from __future__ import annotations
 
 import torch
 
-from kvscope.execution.worker import SECOND_COPY_SHARE, free_memory, room_for_a_second_copy
+from kvscope.execution.worker_memory import SECOND_COPY_SHARE, free_memory, room_for_a_second_copy
 
 
 def test_a_second_copy_needs_room_in_the_free_memory():

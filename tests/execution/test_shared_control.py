@@ -1,5 +1,5 @@
-"""The shared control block between the engine and its model worker (`execution/worker.py`):
-the parent writes the abort flag and the cancelled chunks (`SharedStepControl`), the
+"""The shared control block between the engine and its model worker
+(`execution/shared_control.py`): the parent writes the abort flag and the cancelled chunks (`SharedStepControl`), the
 worker's checkpoints read them (`WorkerControl`), in another process, while they change.
 """
 
@@ -10,7 +10,7 @@ from multiprocessing.synchronize import Event
 
 import torch
 
-from kvscope.execution.worker import SharedStepControl, WorkerControl
+from kvscope.execution.shared_control import SharedStepControl, WorkerControl
 
 CHUNKS = 256
 

@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from kvscope.execution.runner import ChunkInput, StepInput
+from kvscope.execution.step_input import ChunkInput, StepInput
 from kvscope.execution.step_wire import (
     FORGET_AFTER,
     FORGET_EVERY,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvscope.execution import warm_up as warm_up_module
-from kvscope.execution.runner import StepControl, StepInput
+from kvscope.execution.step_input import StepControl, StepInput
 from kvscope.execution.warm_up import WarmUp, warm_up_now
 from kvscope.kernels.linear import row_buckets
 

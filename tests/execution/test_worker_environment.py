@@ -1,5 +1,5 @@
-"""The environment a model worker process is spawned with (`execution/worker.py`): glibc's
-malloc tunables and OpenMP's spin count are added, a setting of the user's is kept as
+"""The environment a model worker process is spawned with
+(`execution/worker_environment.py`): glibc's malloc tunables and OpenMP's spin count are added, a setting of the user's is kept as
 the user set it, and the engine's own environment is left as it was."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvscope.execution.worker import GOMP_SPINCOUNT, MALLOC_TUNABLES, worker_environment
+from kvscope.execution.worker_environment import GOMP_SPINCOUNT, MALLOC_TUNABLES, worker_environment
 
 OURS = [f"{name}={value}" for name, value in MALLOC_TUNABLES.items()]
 

@@ -20,7 +20,8 @@ import anyio
 import pytest
 
 from kvscope import Engine
-from kvscope.execution.worker import GOMP_SPINCOUNT, MAIN_GUARD_HINT, MALLOC_TUNABLES
+from kvscope.execution.process_runner import MAIN_GUARD_HINT
+from kvscope.execution.worker_environment import GOMP_SPINCOUNT, MALLOC_TUNABLES
 from kvscope.models.loader import BUNDLED_DIR
 from kvscope.scheduling import OPENMP_BINDINGS
 from tests.conftest import audit_lines, open_engine, wait_for

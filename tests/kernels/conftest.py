@@ -41,7 +41,7 @@ def attend_in_pieces(*args: object) -> tuple[torch.Tensor, int]:
         between.clear()
         out = attention.paged_attention(
             *args,  # type: ignore[arg-type]
-            slicing=slicer,
+            slicing=slicer.attention,
             between=lambda: between.append(None),
         )
     return out, len(between)

@@ -15,7 +15,8 @@ from kvscope.kernels import linear as linear_layouts
 from kvscope.kernels import slicing
 from kvscope.kernels.fused import silu_and_mul
 from kvscope.kernels.linear import Linear, bucket_rows
-from kvscope.kernels.slicing import ALIGN, LinearSlicer, column_ranges, row_ranges
+from kvscope.kernels.slice_ranges import ALIGN, column_ranges, row_ranges
+from kvscope.kernels.slicing import LinearSlicer
 
 
 def planned_linear(dtype: torch.dtype, shape: tuple[int, int] = (1024, 256)) -> Linear:

@@ -8,7 +8,9 @@ what shares its steps, and each test can hold a request batched beside others,
 cancelled ones, a cache hit, a worker process or an adapter to its tokens alone. (In
 bfloat16, dequantized or not, a prompt whose chunks start elsewhere, as after another
 request's prefix, may round its attention otherwise: the cancelled requests' prompts
-are their own.)"""
+are their own.) Prefill chunks go through the compiled `paged_prefill`, whose rows do not
+depend on where a chunk starts either: SDPA's, which wins the timing on an AMX CPU
+(`kernels/prefill_choice.py`), tiles the keys by the chunk's end and rounds otherwise."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pytest
 
 from kvscope import BeamSearchParams
 from kvscope.beam_search import beam_search
+from kvscope.kernels.cpu_decode import cpu_kernel
 from kvscope.kernels.quantized import DOT_ROWS
 
 from .gguf_files import Q, convert_checkpoint
@@ -32,6 +35,15 @@ pytestmark = pytest.mark.anyio
 #: Steps of one KV block's rows (fewer than `DOT_ROWS`): a prompt's chunks then start
 #: on block boundaries whether it is computed whole or after a prefix-cache hit.
 STEP = {"max_num_batched_tokens": 4, "block_size": 4, "dtype": "auto"}
+
+
+@pytest.fixture(autouse=True)
+def prefill_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill through the compiled kernel, here and in a worker process (see above)."""
+    monkeypatch.setenv("KVSCOPE_PREFILL", "kernel")
+    kernel = cpu_kernel()
+    assert kernel.wait(900), kernel.why_not
+    monkeypatch.setattr(kernel, "prefill_in_place", kernel.prefill_op is not None)
 
 
 @pytest.fixture(scope="module")
