@@ -61,15 +61,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = attrs.field(default=4, validator=[_positive, v.le(16)])
     prompt_lookup_max: int = attrs.field(default=4, validator=_positive)
     prompt_lookup_min: int = attrs.field(default=1, validator=_positive)
-    #: With more running requests than this, steps run without speculation (a large
-    #: batch's step is no longer bound by reading the weights). None: never.
+    #: With more requests running or waiting than this, steps run without speculation
+    #: (a large batch's step is no longer bound by reading the weights). None: never.
     disable_by_batch_size: int | None = attrs.field(default=None, validator=v.optional(_positive))
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                "speculative_config: prompt_lookup_min must not exceed prompt_lookup_max"
-            )
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
@@ -88,9 +86,10 @@ class SpeculativeConfig:
         if given.get("method") is None and "model" not in given:
             given["method"] = "ngram"
         if "model" in given or given.get("method") != "ngram":
+            asked = f"draft model {given['model']!r}" if "model" in given else "method"
             raise ValueError(
-                "speculative_config: only method 'ngram' (prompt lookup) is served; "
-                f"a draft model or method {given.get('method')!r} is not"
+                f"speculative_config: the {asked} {given.get('method') or ''} is not served; "
+                "method 'ngram' (prompt lookup) is"
             )
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(given) - known)
@@ -98,7 +97,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key(s): {', '.join(unknown)}")
         try:
             return cls(**given)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"speculative_config: {exc}") from None
 
 
@@ -216,9 +215,13 @@ class EngineConfig:
     #: What every generated request id starts with; a replica puts its own name in it
     #: so that an id says which replica owns it (kvscope.replicas).
     request_id_prefix: str = attrs.field(default="req-", validator=v.matches_re(r"[A-Za-z0-9_.-]+"))
-    #: Speculative decoding (`SpeculativeConfig`, or vLLM's JSON for it); None: off.
+    #: Speculative decoding, as vLLM's JSON says it: {"method": "ngram",
+    #: "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m,
+    #: "disable_by_batch_size": b} (default: off)
     speculative_config: SpeculativeConfig | None = attrs.field(
-        default=None, converter=lambda value: SpeculativeConfig.parse(value)
+        default=None,
+        converter=lambda value: SpeculativeConfig.parse(value),
+        metadata={"parse": SpeculativeConfig.parse},
     )
 
     @classmethod

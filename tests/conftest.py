@@ -150,3 +150,18 @@ def smollm2_gguf() -> Path:
         return Path(resolve_model("smollm2"))
     except ModelLoadError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def kernel_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill chunks through the compiled `paged_prefill`, in this process and in any
+    model worker started meanwhile: its rows do not depend on where a chunk starts or
+    ends, while SDPA's (which wins the timing on an AMX CPU, `kernels/prefill_choice.py`)
+    tile the keys by the chunk's end and round otherwise. For tests that hold a
+    request's tokens batched to its tokens alone."""
+    from kvscope.kernels.cpu_decode import cpu_kernel
+
+    monkeypatch.setenv("KVSCOPE_PREFILL", "kernel")
+    kernel = cpu_kernel()
+    assert kernel.wait(900), kernel.why_not
+    monkeypatch.setattr(kernel, "prefill_in_place", kernel.prefill_op is not None)

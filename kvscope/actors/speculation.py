@@ -14,7 +14,7 @@ speculation gives.
 A row speculates only where that equality is simple to keep: greedy, with nothing that
 changes the logits or reads them back (penalties, a bias, a guide, logprobs, prompt
 scores, an embedding). Others decode one token a step as before, in the same batch.
-With more running rows than `disable_by_batch_size` nobody speculates.
+With more requests running or waiting than `disable_by_batch_size` nobody speculates.
 """
 
 from __future__ import annotations
@@ -76,11 +76,13 @@ class Speculation:
     def of(cls, config: SpeculativeConfig | None) -> Speculation | None:
         return None if config is None else cls(config)
 
-    def propose(self, running: Seq[Sequence]) -> None:
-        """Give each running row that may speculate its draft (see the module)."""
+    def propose(self, running: Seq[Sequence], waiting: int) -> None:
+        """Give each running row that may speculate its draft (see the module); none
+        where the running and `waiting` requests are more than `disable_by_batch_size`
+        (the waiting ones join the batch as it has room)."""
         config = self.config
         limit = config.disable_by_batch_size
-        everyone = limit is None or len(running) <= limit
+        everyone = limit is None or len(running) + waiting <= limit
         for seq in running:
             seq.draft = []
             if not everyone or seq.skippable() or not may_speculate(seq):

@@ -136,7 +136,7 @@ class StepActor:
             if self.runner.cache_lost:
                 self._recompute_lost_cache()
             if self.speculation is not None:
-                self.speculation.propose(self.scheduler.running)
+                self.speculation.propose(self.scheduler.running, self.scheduler.num_waiting)
             step = self.scheduler.schedule() if self.scheduler.has_work() else None
             if step is not None:
                 self.preemptions += len(step.preempted)
@@ -163,7 +163,7 @@ class StepActor:
             self._wakeup = anyio.Event()
 
     async def _run_step(self, live: list[tuple[Sequence, int]], step: ScheduledStep) -> None:
-        live.sort(key=lambda item: item[1] != 1)  # decode rows first
+        live.sort(key=lambda item: item[1] != 1 + len(item[0].draft))  # decode rows first
         work = StepInput([self._chunk_input(seq, n) for seq, n in live], step.copies)
         copy_sources = [src for src, _ in step.copies]
         self.pool.acquire(copy_sources)

@@ -247,10 +247,22 @@ class ModelRunner:
         return lora_rows(adapters, rows, self.device)
 
     def metadata(self, chunks: list[ChunkInput], live: list[int]) -> AttentionMetadata:
+        # A chunk that verifies a draft attends as decode rows, one a position, each
+        # over the cache up to itself: the kernels and roundings of decoding the tokens
+        # one at a time, so that greedy speculation draws what decoding draws.
+        rows = [
+            (start, 1, chunk.block_table)
+            if chunk.draft
+            else (chunk.start, len(chunk.token_ids), chunk.block_table)
+            for chunk in (chunks[i] for i in live)
+            for start in (
+                range(chunk.start, chunk.start + len(chunk.token_ids)) if chunk.draft else [0]
+            )
+        ]
         return build_metadata(
-            starts=[chunks[i].start for i in live],
-            lengths=[len(chunks[i].token_ids) for i in live],
-            block_tables=[chunks[i].block_table for i in live],
+            starts=[start for start, _, _ in rows],
+            lengths=[length for _, length, _ in rows],
+            block_tables=[table for _, _, table in rows],
             block_size=self.kv_cache.block_size,
             device=self.device,
         )

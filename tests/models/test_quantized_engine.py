@@ -23,7 +23,6 @@ import pytest
 
 from kvscope import BeamSearchParams
 from kvscope.beam_search import beam_search
-from kvscope.kernels.cpu_decode import cpu_kernel
 from kvscope.kernels.quantized import DOT_ROWS
 
 from .gguf_files import Q, convert_checkpoint
@@ -38,12 +37,8 @@ STEP = {"max_num_batched_tokens": 4, "block_size": 4, "dtype": "auto"}
 
 
 @pytest.fixture(autouse=True)
-def prefill_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+def _kernel_prefill(kernel_prefill: None) -> None:
     """Prefill through the compiled kernel, here and in a worker process (see above)."""
-    monkeypatch.setenv("KVSCOPE_PREFILL", "kernel")
-    kernel = cpu_kernel()
-    assert kernel.wait(900), kernel.why_not
-    monkeypatch.setattr(kernel, "prefill_in_place", kernel.prefill_op is not None)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -192,6 +193,22 @@ def serve_cli(
         _, stderr = process.communicate(timeout=60)
         raise AssertionError(line + stderr)
     return process, match.group(0)
+
+
+@contextmanager
+def served(backend: str, *args: str, model: str | None = "tiny-random") -> Iterator[str]:
+    """`serve_cli`'s server for the body of a `with`, its URL; then stopped by SIGTERM,
+    which it must survive to exit 0 (killed instead where the body failed)."""
+    process, url = serve_cli(backend, *args, model=model)
+    try:
+        yield url
+        process.send_signal(signal.SIGTERM)
+        _, log = process.communicate(timeout=60)  # drained: a full pipe would block it
+        assert process.returncode == 0, log[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[Any]:

@@ -3,7 +3,8 @@ histograms fed by the engine's hooks are `metrics.py`'s).
 
 `EngineGauges` reads `engine.stats()` once a scrape: KV blocks by state, queue depth,
 running and live requests, requests a LoRA adapter, readiness, open streams, the
-model's memory, worker restarts, the prefix cache's queries and hits, preemptions.
+model's memory, worker restarts, the prefix cache's queries and hits, preemptions,
+speculative decoding's drafts and accepted tokens.
 `CheckpointGaps` exposes the runner's own histogram of the forward time between two
 checkpoints (`execution/gaps.py`), which the forward's thread or process fills.
 """
@@ -32,6 +33,7 @@ class EngineGauges(Collector):
         yield from self._requests(stats)
         yield from self._server(stats)
         yield from _prefix_cache(stats)
+        yield from _speculation(stats)
         yield CounterMetricFamily(
             "kvscope_preemptions",
             "Sequences preempted (their blocks freed, to be computed again)",
@@ -108,6 +110,34 @@ def _prefix_cache(stats: dict[str, Any]) -> Iterator[Family]:
         "kvscope_prefix_cache_hits",
         "Prompt tokens found computed at admission (a cached prefix, or a parent's)",
         value=stats["prompt_tokens_reused"],
+    )
+
+
+def _speculation(stats: dict[str, Any]) -> Iterator[Family]:
+    """Speculative decoding's counts (`actors/speculation.py`), all 0 with it off."""
+    for name, what in (
+        ("num_drafts", "Drafts verified (rows that proposed tokens in a step)"),
+        ("num_draft_tokens", "Draft tokens proposed and verified"),
+        ("num_accepted_tokens", "Draft tokens accepted"),
+    ):
+        yield CounterMetricFamily(
+            f"kvscope_spec_decode_{name}", what, value=stats[f"spec_decode_{name}"]
+        )
+    per_position = CounterMetricFamily(
+        "kvscope_spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft",
+        labels=["position"],
+    )
+    prefix = "spec_decode_num_accepted_tokens_pos"
+    for key, count in stats.items():
+        if key.startswith(prefix):
+            per_position.add_metric([key.removeprefix(prefix)], count)
+    yield per_position
+    drafted = stats["spec_decode_num_draft_tokens"]
+    yield GaugeMetricFamily(
+        "kvscope_spec_decode_acceptance_rate",
+        "Accepted draft tokens over those proposed, since the start (0 before any)",
+        value=stats["spec_decode_num_accepted_tokens"] / drafted if drafted else 0.0,
     )
 
 

@@ -34,6 +34,12 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "kvscope_prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "kvscope_prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "kvscope_preemptions": ("vllm:num_preemptions",),
+    "kvscope_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "kvscope_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "kvscope_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "kvscope_spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+    ),
     "kvscope_prompt_tokens": ("vllm:prompt_tokens",),
     "kvscope_generation_tokens": ("vllm:generation_tokens",),
     "kvscope_requests": ("vllm:request_success",),
