@@ -160,3 +160,6 @@ class StepStatistics:
     in_flight: tuple[str, ...]
     #: Whether the running forward was told to stop at its next checkpoint.
     abort_requested: bool
+    #: Speculative decoding's accepted draft tokens by their position in the draft
+    #: (empty with it off).
+    spec_accepted_per_position: tuple[int, ...] = ()

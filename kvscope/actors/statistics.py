@@ -47,21 +47,19 @@ def engine_stats(actors: Actors) -> dict[str, int]:
 
 def speculation_stats(speculation: Speculation | None) -> dict[str, int]:
     """Speculative decoding's counts (all 0 with it off): drafts verified, their
-    tokens, the accepted ones, and those by position in the draft (vLLM's names are
-    `vllm:spec_decode_*`; the acceptance rate is accepted over drafted tokens)."""
+    tokens and the accepted ones (vLLM's `vllm:spec_decode_*`; by position in the
+    draft: `StepStatistics.spec_accepted_per_position`)."""
     if speculation is None:
-        return {
-            "spec_decode_num_drafts": 0,
-            "spec_decode_num_draft_tokens": 0,
-            "spec_decode_num_accepted_tokens": 0,
-        }
-    per_position = {
-        f"spec_decode_num_accepted_tokens_pos{position}": count
-        for position, count in enumerate(speculation.accepted_per_position)
-    }
+        return dict.fromkeys(
+            (
+                "spec_decode_num_drafts",
+                "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens",
+            ),
+            0,
+        )
     return {
         "spec_decode_num_drafts": speculation.num_drafts,
         "spec_decode_num_draft_tokens": speculation.num_draft_tokens,
         "spec_decode_num_accepted_tokens": speculation.num_accepted_tokens,
-        **per_position,
     }

@@ -123,6 +123,9 @@ class StepActor:
                 if pins is not None
             ),
             abort_requested=self.control.abort.is_set(),
+            spec_accepted_per_position=tuple(self.speculation.accepted_per_position)
+            if self.speculation is not None
+            else (),
         )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

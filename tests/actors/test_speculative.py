@@ -100,6 +100,7 @@ async def test_greedy_tokens_as_without_speculation(model: str, worker: str) -> 
     async with open_engine(model, worker=worker, speculative_config=NGRAM, **STEP) as engine:
         alone = [await _generate(engine, [p], max_tokens=48) for p in PROMPTS]
         stats = engine.stats()
+        by_position = [engine.step_statistics().spec_accepted_per_position]
         batched = await _generate(engine, PROMPTS, max_tokens=48)
         short = await _generate(engine, PROMPTS[:1], max_tokens=7)  # ends inside a draft
     assert alone == plain
@@ -107,8 +108,9 @@ async def test_greedy_tokens_as_without_speculation(model: str, worker: str) -> 
     assert short == [(plain[0][0][0][:7], "length")]
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
-    accepted_first = stats["spec_decode_num_accepted_tokens_pos0"]
-    assert accepted_first >= stats["spec_decode_num_accepted_tokens_pos1"]
+    per_position = by_position[0]  # a token is accepted only after those before it
+    assert sum(per_position) == stats["spec_decode_num_accepted_tokens"]
+    assert list(per_position) == sorted(per_position, reverse=True)
     # Accepted tokens come without a step of their own.
     assert stats["steps"] <= steps_plain - stats["spec_decode_num_accepted_tokens"] + 2
 

@@ -198,7 +198,8 @@ def test_metrics_also_go_out_under_vllms_names(live: Live) -> None:
         mine = [(s.name.removeprefix(ours), s.value) for s in families[ours].samples]
         for theirs in names:
             copied = [(s.name.removeprefix(theirs), s.value) for s in families[theirs].samples]
-            assert mine == copied and mine, (ours, theirs)
+            # (per draft position: no sample while speculative decoding is off)
+            assert mine == copied and (mine or ours.endswith("_per_pos")), (ours, theirs)
     assert value("vllm:gpu_cache_usage_perc") == 0  # the name older dashboards read
 
 

@@ -217,6 +217,11 @@ class Stats(BaseModel):
     history: int = Field(description="ended requests kept for look-up by id")
     history_bytes: int
     tokens_generated_total: int
+    spec_decode_num_drafts: int = Field(
+        description="speculative decoding: drafts verified (docs/speculative.md)"
+    )
+    spec_decode_num_draft_tokens: int = Field(description="their tokens")
+    spec_decode_num_accepted_tokens: int = Field(description="of them, accepted")
     open_streams: int
     readiness: Literal["warming", "ready"] = Field(
         description="ready once the server serves at full speed (GET /ready)"

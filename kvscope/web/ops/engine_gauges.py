@@ -33,7 +33,7 @@ class EngineGauges(Collector):
         yield from self._requests(stats)
         yield from self._server(stats)
         yield from _prefix_cache(stats)
-        yield from _speculation(stats)
+        yield from _speculation(stats, self._engine.step_statistics().spec_accepted_per_position)
         yield CounterMetricFamily(
             "kvscope_preemptions",
             "Sequences preempted (their blocks freed, to be computed again)",
@@ -113,7 +113,7 @@ def _prefix_cache(stats: dict[str, Any]) -> Iterator[Family]:
     )
 
 
-def _speculation(stats: dict[str, Any]) -> Iterator[Family]:
+def _speculation(stats: dict[str, Any], per_position: tuple[int, ...]) -> Iterator[Family]:
     """Speculative decoding's counts (`actors/speculation.py`), all 0 with it off."""
     for name, what in (
         ("num_drafts", "Drafts verified (rows that proposed tokens in a step)"),
@@ -123,16 +123,14 @@ def _speculation(stats: dict[str, Any]) -> Iterator[Family]:
         yield CounterMetricFamily(
             f"kvscope_spec_decode_{name}", what, value=stats[f"spec_decode_{name}"]
         )
-    per_position = CounterMetricFamily(
+    by_position = CounterMetricFamily(
         "kvscope_spec_decode_num_accepted_tokens_per_pos",
         "Draft tokens accepted, by their position in the draft",
         labels=["position"],
     )
-    prefix = "spec_decode_num_accepted_tokens_pos"
-    for key, count in stats.items():
-        if key.startswith(prefix):
-            per_position.add_metric([key.removeprefix(prefix)], count)
-    yield per_position
+    for position, count in enumerate(per_position):
+        by_position.add_metric([str(position)], count)
+    yield by_position
     drafted = stats["spec_decode_num_draft_tokens"]
     yield GaugeMetricFamily(
         "kvscope_spec_decode_acceptance_rate",
