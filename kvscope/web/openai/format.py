@@ -76,6 +76,8 @@ class Choices:
             self.echo = self._echoes(body, prompts)
         elif (echoed := getattr(body, "echoed", None)) is not None:
             self.echo = [echoed]
+        #: vLLM's `return_token_ids`: the prompt's ids and each choice's.
+        self.return_token_ids = bool(body.return_token_ids)
         self.top_k = body.logprobs_wanted
         self.wanted = self.top_k is not None
         #: The echoed prompts' log-probabilities come before the completions'.
@@ -94,6 +96,13 @@ class Choices:
                 keep = self.given_as_ids[index]
                 echoes.append(self.engine.tokenizer.decode(ids, skip_special_tokens=not keep))
         return echoes
+
+    def returned_ids(self, index: int, token_ids: Sequence[int]) -> tuple[Any, Any]:
+        """vLLM's `prompt_token_ids` and `token_ids` of choice `index` (null unless
+        `return_token_ids`): its prompt's and `token_ids`, the tokens it made so far."""
+        if not self.return_token_ids:
+            return None, None
+        return list(self.prompts[index // self.n]), list(token_ids)
 
     def prefix(self, index: int) -> str:
         """The echoed prompt of choice `index` (completions with `echo`)."""
@@ -248,12 +257,23 @@ class ChunkFormat:
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
         reasoning: str | None = None,
+        ids: tuple[Any, Any] | None = None,
     ) -> dict[str, Any]:
+        """A chunk of choice `index`; `ids` its `return_token_ids` pair (`returned_ids`):
+        the prompt's, on a choice's first chunk only (chat's on the chunk itself), and
+        the tokens it brings."""
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": finish_reason,
             "logprobs": logprobs,
         }
+        head = self.head
+        if ids is not None:
+            prompt, choice["token_ids"] = ids
+            if self.chat and prompt is not None:
+                head = {**head, "prompt_token_ids": prompt}
+            elif not self.chat:
+                choice["prompt_token_ids"] = prompt
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if reasoning is not None:
@@ -265,7 +285,7 @@ class ChunkFormat:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        return {**self.head, "choices": [choice]}
+        return {**head, "choices": [choice]}
 
     def text_chunk(self, index: int, text: str) -> bytes:
         """The SSE message of `chunk(index, text, None)`, from the template."""

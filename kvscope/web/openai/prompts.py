@@ -60,9 +60,12 @@ async def prompt_ids(
 
 
 def truncated(ids: list[int], body: OpenAISampling) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), or all of it."""
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), its first with
+    `truncation_side: right`, or all of it."""
     keep = body.truncate_prompt_tokens
-    return ids if keep is None else ids[-keep:]
+    if keep is None:
+        return ids
+    return ids[:keep] if body.truncation_side == "right" else ids[-keep:]
 
 
 def max_tokens(

@@ -196,6 +196,7 @@ async def complete(
     }
     if chat:  # vLLM's place for the one prompt's: the answer's, null unless asked
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
+        answer["prompt_token_ids"] = view.returned_ids(0, ())[0]
     return answer, 200, {"X-Request-Id": results[0].id}
 
 
@@ -221,6 +222,8 @@ def _choice(
     if reasoning.splits:
         choice["message"]["reasoning_content"] = thought
     choice["logprobs"] = view.of_result(result, index)
-    if not view.chat:  # vLLM's, on each completions choice: null unless the prompt was scored
+    prompt_ids, choice["token_ids"] = view.returned_ids(index, result.token_ids)
+    if not view.chat:  # vLLM's, on each completions choice: null unless asked
         choice["prompt_logprobs"] = view.vllm_prompt_logprobs(index, result.prompt_logprobs)
+        choice["prompt_token_ids"] = prompt_ids
     return choice

@@ -113,6 +113,9 @@ class OpenAISampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=1, description="vLLM's: keep only the prompt's last k tokens"
     )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="vLLM's, with truncate_prompt_tokens: right keeps the first k"
+    )
     prompt_logprobs: int | None = sampling_field(
         "prompt_logprobs", description="vLLM's: each prompt token's and the top k; not streamed"
     )
@@ -132,6 +135,9 @@ class OpenAISampling(BaseModel):
     )
     length_penalty: float = Field(
         1.0, description="vLLM's, with use_beam_search: beams rank by logprob / length ** this"
+    )
+    return_token_ids: bool | None = Field(
+        None, description="vLLM's: prompt_token_ids, and each choice's token_ids"
     )
     # No effect on the output: accepted and ignored.
     user: str | None = None

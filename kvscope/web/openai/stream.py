@@ -76,6 +76,10 @@ class ChoiceStream:
         self.echo_pending = setup.view.scores_echo
         self.finished = False
         self._ended: Completion | None = None
+        #: Under `return_token_ids`: whether the prompt's ids went out, and the ids of
+        #: the delta being read not yet on a chunk (the next chunk made carries them).
+        self._prompt_sent = False
+        self._ids: tuple[int, ...] = ()
         whole = setup.whole
         self.thinking = ReasoningStream(setup.reasoning) if setup.reasoning.splits else None
         held = whole.held_content() if whole is not None and setup.auto else None
@@ -93,7 +97,7 @@ class ChoiceStream:
         view, chat = self.setup.view, self.setup.view.chat
         prefix = view.prefix(self.index)
         if (chat or prefix) and not self.echo_pending:
-            return self._framed(self.setup.fmt.chunk(self.index, prefix, None, role=chat))
+            return self._framed(self._chunk(prefix, role=chat))
         return b""
 
     def on_delta(self, delta: Delta) -> bytes:
@@ -101,6 +105,7 @@ class ChoiceStream:
         pieces: list[Piece] = []
         if self.echo_pending and delta.token_ids:
             pieces.append(self._echo(delta.prompt_logprobs))
+        self._ids = delta.token_ids
         first = not self.tokens
         self.tokens += len(delta.token_ids)
         self.chars += len(delta.text)
@@ -118,6 +123,8 @@ class ChoiceStream:
             pieces.append(self._logprobs_chunk(text, delta.token_ids, delta.logprobs))
         elif text:
             pieces.append(self._text_piece(text, plain=reason is None))
+        if self._ids and self.setup.view.return_token_ids:  # every token goes out on a chunk
+            pieces.append(self._chunk(None if self.setup.view.chat else ""))
         if reason is not None:
             return self._finish(pieces, reason)
         return self._joined(pieces)
@@ -200,8 +207,10 @@ class ChoiceStream:
         more, reason = self._end_pieces(reason)
         pieces += more
         if not pieces or not isinstance(pieces[-1], dict):
+            view = self.setup.view
             plain = self.setup.whole is None and self.thinking is None
-            pieces.append(self._chunk("" if plain or not self.setup.view.chat else None))
+            scores = view.logprobs((), (), self.index, self.offset)  # empty, where asked
+            pieces.append(self._chunk("" if plain or not view.chat else None, logprobs=scores))
         last = pieces[-1]
         assert isinstance(last, dict)
         last["choices"][0]["finish_reason"] = reason
@@ -210,11 +219,17 @@ class ChoiceStream:
     # -- chunks ----------------------------------------------------------------------
 
     def _chunk(self, text: str | None, **extra: Any) -> dict[str, Any]:
+        view = self.setup.view
+        if view.return_token_ids:
+            prompt, ids = view.returned_ids(self.index, self._ids)
+            extra["ids"] = (None if self._prompt_sent else prompt, ids)
+            self._prompt_sent, self._ids = True, ()
         return self.setup.fmt.chunk(self.index, text, None, **extra)
 
     def _text_piece(self, text: str, *, plain: bool) -> Piece:
         """A text delta: the per-token template unless the chunk carries more."""
-        if plain and not self.setup.body.continuous_usage:
+        body = self.setup.body
+        if plain and not body.continuous_usage and not body.return_token_ids:
             return self.setup.fmt.text_chunk(self.index, text)
         return self._chunk(text)
 
