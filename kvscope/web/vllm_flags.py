@@ -64,6 +64,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="usage counts the prompt tokens the prefix cache held "
         "(prompt_tokens_details.cached_tokens)",
     )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="log-probabilities show each token as token_id:N (a request's "
+        "return_tokens_as_token_ids decides for it)",
+    )
     for flag, why in ALWAYS.items():
         group.add_argument(flag, action="store_true", help=f"accepted: {why}")
     for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):

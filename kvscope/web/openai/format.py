@@ -59,9 +59,19 @@ class Choices:
     """How a choice's text and log-probabilities are shown, in OpenAI's formats."""
 
     def __init__(
-        self, engine: Engine, body: OpenAISampling, prompts: list[list[int]], *, chat: bool
+        self,
+        engine: Engine,
+        body: OpenAISampling,
+        prompts: list[list[int]],
+        *,
+        chat: bool,
+        as_ids: bool = False,
     ) -> None:
         self.engine = engine
+        #: Log-probabilities show tokens as `token_id:N` (vLLM's
+        #: `return_tokens_as_token_ids`; `as_ids` the server's default).
+        asked = body.return_tokens_as_token_ids
+        self.as_ids = as_ids if asked is None else asked
         self.chat = chat
         self.n = body.n
         self.prompts = prompts  # choice i is prompts[i // n]'s
@@ -108,6 +118,13 @@ class Choices:
         """The echoed prompt of choice `index` (completions with `echo`)."""
         return self.echo[index // self.n] if self.echo is not None else ""
 
+    def first_offset(self, index: int) -> int:
+        """Where choice `index`'s first generated token's `text_offset` is: after its
+        echo (after the echoed tokens as shown, where they show as `token_id:N`)."""
+        if self.as_ids and self.scores_echo:
+            return sum(len(self.shown(t)) for t in self.prompts[index // self.n])
+        return len(self.prefix(index))
+
     def of_result(self, result: Completion, index: int) -> dict[str, Any] | None:
         """The log-probabilities of choice `index`'s whole answer: its echoed prompt's
         (if scored), then its tokens'."""
@@ -152,8 +169,8 @@ class Choices:
             return None
         prompt = index // self.n
         ids = self.prompts[prompt]
-        tokens = [self.token_text(t) for t in ids]
-        if self.given_as_ids[prompt]:
+        tokens = [self.shown(t) for t in ids]
+        if self.given_as_ids[prompt] or self.as_ids:
             lengths = list(map(len, tokens))
         else:
             lengths = [len(self.engine.tokenizer.decode([t])) for t in ids]
@@ -170,6 +187,10 @@ class Choices:
     def token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token], skip_special_tokens=False)
 
+    def shown(self, token: int) -> str:
+        """A token as log-probabilities show it: its text, or `token_id:N`."""
+        return f"token_id:{token}" if self.as_ids else self.token_text(token)
+
     def logprobs(
         self,
         token_ids: Sequence[int],
@@ -180,14 +201,14 @@ class Choices:
         if not self.wanted or logprobs is None:
             return None
         if self.chat:
-            content = token_entries(self.engine.tokenizer, token_ids, logprobs)
+            content = token_entries(self.engine.tokenizer, token_ids, logprobs, as_ids=self.as_ids)
             return {"content": content, "refusal": None}
-        tokens = [self.token_text(t) for t in token_ids]
+        tokens = [self.shown(t) for t in token_ids]
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [self._top(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)],
-            "text_offset": _offsets(list(map(len, tokens)), offset or len(self.prefix(index))),
+            "text_offset": _offsets(list(map(len, tokens)), offset or self.first_offset(index)),
         }
 
     def _top(self, token: int, logprobs: TokenLogprobs) -> dict[str, float]:
@@ -198,20 +219,26 @@ class Choices:
         others = [(t, v) for t, v in logprobs.top if t != token][: self.top_k or 0]
         top: dict[str, float] = {}
         for candidate, value in [(token, logprobs.logprob), *others]:
-            text = self.token_text(candidate)
+            text = self.shown(candidate)
             top[text if text not in top else f"token_id:{candidate}"] = value
         return top
 
 
 def token_entries(
-    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs],
+    *,
+    as_ids: bool = False,
 ) -> list[dict[str, Any]]:
-    """Chat's (and the Responses API's) log-probabilities of tokens: each one's text,
-    log-probability and UTF-8 bytes, and the same of its top alternatives."""
+    """Chat's (and the Responses API's) log-probabilities of tokens: each one's text
+    (`token_id:N` with `as_ids`), log-probability and its text's UTF-8 bytes, and the
+    same of its top alternatives."""
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        shown = f"token_id:{token}" if as_ids else text
+        return {"token": shown, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return [
         {**entry(token, lp.logprob), "top_logprobs": [entry(*x) for x in lp.top]}

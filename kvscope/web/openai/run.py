@@ -169,7 +169,8 @@ async def complete(
     the whole response. A chat's `reasoning` parser tells its reasoning
     (`reasoning_content`) from its answer, the content, in which its tool calls are
     read."""
-    view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
+    as_ids = ctx.settings.return_tokens_as_token_ids
+    view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat, as_ids=as_ids)
     model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
     details = ctx.settings.prompt_tokens_details
     if body.use_beam_search:

@@ -139,6 +139,11 @@ class OpenAISampling(BaseModel):
     return_token_ids: bool | None = Field(
         None, description="vLLM's: prompt_token_ids, and each choice's token_ids"
     )
+    return_tokens_as_token_ids: bool | None = Field(
+        None,
+        description="vLLM's: logprobs show each token as token_id:N (default: the "
+        "server's --return-tokens-as-token-ids)",
+    )
     # No effect on the output: accepted and ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None

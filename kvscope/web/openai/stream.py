@@ -70,7 +70,7 @@ class ChoiceStream:
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.tokens = 0  # tokens read so far
         self.chars = 0  # characters of text read so far
-        self.offset = len(setup.view.prefix(index))  # where the next token's text starts
+        self.offset = setup.view.first_offset(index)  # where the next token's text starts
         #: An echo scored with `logprobs` waits for the prompt's log-probabilities,
         #: which come with the first token (or the end).
         self.echo_pending = setup.view.scores_echo
@@ -238,7 +238,7 @@ class ChoiceStream:
     ) -> dict[str, Any]:
         view = self.setup.view
         scores = view.logprobs(token_ids, logprobs, self.index, self.offset)
-        self.offset += sum(len(view.token_text(t)) for t in token_ids)
+        self.offset += sum(len(view.shown(t)) for t in token_ids)
         return self._chunk(text, logprobs=scores)
 
     def _echo(self, scored: Sequence[TokenLogprobs | None] | None) -> dict[str, Any]:

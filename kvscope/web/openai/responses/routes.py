@@ -117,6 +117,7 @@ async def create_response() -> Any:
         plan,
         tokenizer=ctx.engine.tokenizer,
         reasoning=_reasoning(ctx, body),
+        as_ids=ctx.settings.return_tokens_as_token_ids,
     )
     entry = StoredResponse(view, owner, messages, listed_items(items, view.id), job)
     if body.store:
