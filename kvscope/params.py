@@ -9,62 +9,21 @@ layer can answer 400.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from attrs import validators as v
 
-from kvscope.text import utf8_size
-
-
-def _strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
-
-
-def _ints(value: Iterable[int] | None) -> tuple[int, ...]:
-    return tuple(value) if value is not None else ()
-
-
-#: Most stop strings a request may give, and the longest (in characters): each one is
-#: searched for after every token, so together they bound a request's cost per token.
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
-
-
-def _non_empty_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    for item in value:
-        if not isinstance(item, str) or not item:
-            raise ValueError(f"{attribute.name} must hold non-empty strings")
-        utf8_size(item, attribute.name)
-
-
-def _non_empty_ids(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if not value:
-        raise ValueError(f"{attribute.name} must hold at least one token id")
-    _non_negative_ints(inst, attribute, value)
-
-
-def _stop_strings(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if len(value) > MAX_STOP_STRINGS:
-        raise ValueError(f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings")
-    _non_empty_strings(inst, attribute, value)
-    if any(len(item) > MAX_STOP_LENGTH for item in value):
-        raise ValueError(
-            f"{attribute.name} strings may be at most {MAX_STOP_LENGTH} characters long"
-        )
-
-
-def _non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    for item in value:
-        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
-            raise ValueError(f"{attribute.name} must hold non-negative integers")
-
+from kvscope.param_values import (
+    ints,
+    json_text,
+    non_empty_ids,
+    non_empty_strings,
+    non_negative_ints,
+    stop_strings,
+    strings,
+)
 
 #: The largest count a request may give (`max_tokens`, `top_k`, `min_tokens`, a
 #: priority): a signed 32-bit integer, so a JSON number never becomes a huge Python int.
@@ -128,6 +87,8 @@ GREEDY_BELOW = 1e-5
 #: The most alternatives `logprobs` may ask for per token (vLLM's default cap; OpenAI's
 #: chat API allows 20).
 MAX_LOGPROBS = 20
+#: The most tokens `logprob_token_ids` may name (vLLM's bound).
+MAX_LOGPROB_TOKEN_IDS = 128
 #: A `logit_bias` value is added to the token's logit; -100 bans the token, +100 forces it.
 MAX_LOGIT_BIAS = 100.0
 #: The seeds accepted: any 64-bit integer, signed or not (what OpenAI and vLLM take,
@@ -166,20 +127,6 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
-def _json_text(value: Any) -> str | None:
-    """A JSON schema given as an object (or as its JSON text) as compact JSON text."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ValueError("guided_json must be a JSON schema (an object)") from None
-    if not isinstance(value, dict):
-        raise ValueError("guided_json must be a JSON schema (an object)")
-    return json.dumps(value, separators=(",", ":"))  # key order is generation order
-
-
 #: The structured-output fields, of which a request gives at most one.
 GUIDES = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -207,9 +154,9 @@ class SamplingParams:
     min_p: float = _bounded(0.0, Bound(0.0, 1.0))
     # The range torch.Generator.manual_seed accepts.
     seed: int | None = _bounded(None, Bound(SEED_MIN, SEED_MAX, integer=True), optional=True)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_stop_strings)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
-        default=(), converter=_ints, validator=_non_negative_ints
+        default=(), converter=ints, validator=non_negative_ints
     )
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool))
     #: vLLM's: the text keeps the stop string (or stop token) that ended it.
@@ -228,6 +175,13 @@ class SamplingParams:
     prompt_logprobs: int | None = _bounded(
         None, Bound(0, MAX_LOGPROBS, integer=True), optional=True
     )
+    #: vLLM's: with `logprobs`, each token's alternatives are these tokens (in this
+    #: order) in the place of the most likely ones.
+    logprob_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=attrs.converters.optional(ints),
+        validator=v.optional(non_empty_ids),
+    )
     presence_penalty: float = _bounded(0.0, PENALTY)
     frequency_penalty: float = _bounded(0.0, PENALTY)
     #: vLLM's (and transformers'): divides a positive logit of a token already in the
@@ -238,23 +192,21 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
     #: vLLM's: words the output may not hold. The token that would complete one (as
     #: the word is spelled at the text's start, or after a space) is banned.
-    bad_words: tuple[str, ...] = attrs.field(
-        default=(), converter=_strings, validator=_stop_strings
-    )
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=stop_strings)
     #: vLLM's: only these tokens may be drawn (None: any).
     allowed_token_ids: tuple[int, ...] | None = attrs.field(
         default=None,
-        converter=attrs.converters.optional(_ints),
-        validator=v.optional(_non_empty_ids),
+        converter=attrs.converters.optional(ints),
+        validator=v.optional(non_empty_ids),
     )
     # Structured output (vLLM's names; kernels/guided.py): at most one of these.
     #: A JSON schema the output must match (kept as canonical JSON text).
-    guided_json: str | None = attrs.field(default=None, converter=_json_text)
+    guided_json: str | None = attrs.field(default=None, converter=json_text)
     #: A regular expression the whole output must match.
     guided_regex: str | None = attrs.field(default=None, validator=v.optional(v.instance_of(str)))
     #: The output is exactly one of these strings.
     guided_choice: tuple[str, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(_strings)
+        default=None, converter=attrs.converters.optional(strings)
     )
     #: A grammar the whole output must match: Lark (llguidance's), or GBNF as vLLM's
     #: and llama.cpp's grammars are written (`root ::= ...`).
@@ -279,13 +231,24 @@ class SamplingParams:
         if value is not None:
             if not value:
                 raise ValueError("guided_choice must hold at least one string")
-            _non_empty_strings(self, attribute, value)
+            non_empty_strings(self, attribute, value)
 
     @guided_grammar.validator
     def _one_guide(self, _attribute: attrs.Attribute, _value: str | None) -> None:
         given = [name for name in GUIDES if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}; give one guide")
+
+    @logprob_token_ids.validator
+    def _pinned_logprobs(self, _attribute: attrs.Attribute, value: tuple[int, ...] | None) -> None:
+        if value is None:
+            return
+        if len(value) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(
+                f"logprob_token_ids may name at most {MAX_LOGPROB_TOKEN_IDS} tokens, not {len(value)}"
+            )
+        if self.logprobs is None:
+            raise ValueError("logprob_token_ids needs logprobs")
 
     @min_tokens.validator
     def _min_below_max(self, _attribute: attrs.Attribute, value: int) -> None:
@@ -329,6 +292,11 @@ class SamplingParams:
                 raise ValueError(
                     f"allowed_token_ids id {token} is not below the vocabulary size {vocab_size}"
                 )
+        if bad := [token for token in self.logprob_token_ids or () if token >= vocab_size]:
+            raise ValueError(  # vLLM's words
+                f"logprob_token_ids holds token_id(s) {bad} out of vocabulary. "
+                f"Vocabulary size: {vocab_size}"
+            )
 
     @classmethod
     def fields(cls) -> frozenset[str]:

@@ -70,6 +70,30 @@ def test_logprobs_are_the_raw_log_softmax_and_its_top_k() -> None:
     assert math.isclose(second.logprob, float(expected[1, 3]), rel_tol=1e-6)
 
 
+def test_logprob_token_ids_take_the_place_of_the_top_k() -> None:
+    """vLLM's `logprob_token_ids`: each row's alternatives are the named tokens, in
+    their order, whatever their rank; a row without them keeps its top k."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5], [0.0, 0.0, 0.0, 3.0]])
+    params = [
+        SamplingParams(**GREEDY, logprobs=3, logprob_token_ids=[2, 0]),
+        SamplingParams(**GREEDY, logprobs=1),
+    ]
+    out = sample(logits, params, [None, None])
+    expected = torch.log_softmax(logits, dim=-1)
+    first, second = out[0].logprobs, out[1].logprobs
+    assert first is not None and second is not None
+    assert [t for t, _ in first.top] == [2, 0]
+    assert [lp for _, lp in first.top] == pytest.approx(expected[0, [2, 0]].tolist())
+    assert math.isclose(first.logprob, float(expected[0, 1]), rel_tol=1e-6)
+    assert [t for t, _ in second.top] == [3]
+    with pytest.raises(ValueError, match="logprob_token_ids needs logprobs"):
+        SamplingParams(logprob_token_ids=[1])
+    with pytest.raises(ValueError, match="logprob_token_ids may name at most 128"):
+        SamplingParams(logprobs=0, logprob_token_ids=list(range(129)))
+    with pytest.raises(ValueError, match=r"logprob_token_ids holds token_id\(s\) \[4\]"):
+        SamplingParams(logprobs=0, logprob_token_ids=[1, 4]).check_vocab(4)
+
+
 def test_logit_bias_bans_and_forces() -> None:
     logits = torch.tensor([[1.0, 4.0, 3.0, 0.0]])
     banned = sample(logits, [SamplingParams(**GREEDY, logit_bias={"1": -100})], [None])

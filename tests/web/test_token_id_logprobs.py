@@ -6,6 +6,7 @@ the vLLM test it names (tests/entrypoints/openai/) on the real server through th
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,68 @@ def test_the_flag_is_vllms() -> None:
         parser.parse_args(["--return-tokens-as-token-ids"])
     ).return_tokens_as_token_ids
     assert not settings_from(parser.parse_args([])).return_tokens_as_token_ids
+
+
+def _one_token(**extra: Any) -> dict[str, Any]:
+    """A chat call for one greedy token's log-probabilities, with `extra` in its body."""
+    messages = [{"role": "user", "content": "Hello"}]
+    call = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
+    return {**call, "logprobs": True, "extra_body": extra}
+
+
+@pytest.mark.parametrize(
+    ("requested_ids", "top_logprobs", "sampled_id"),
+    [([200], 5, 42), ([100, 150, 200], 3, 42), ([100, 150, 200], 3, 200)],
+)
+def test_chat_logprob_token_ids(
+    client: openai.OpenAI, requested_ids: list[int], top_logprobs: int, sampled_id: int
+) -> None:
+    """chat_completion/test_logprob_token_ids.py::test_logprob_token_ids_returns_requested_ids:
+    a token's alternatives are the sampled token and the ones named, once each."""
+    pinned = {"logprob_token_ids": requested_ids, "allowed_token_ids": [sampled_id]}
+    resp = client.chat.completions.create(
+        top_logprobs=top_logprobs, **_one_token(**pinned, return_tokens_as_token_ids=True)
+    )
+    content: Any = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    returned = [_id(entry.token) for entry in content[0].top_logprobs]
+    assert _id(content[0].token) == sampled_id
+    assert set(returned) == {*requested_ids, sampled_id}
+    assert len(returned) == len(set(returned))
+    assert all(-math.inf < entry.logprob <= 0 for entry in content[0].top_logprobs)
+
+
+def test_logprob_token_ids_streamed_and_on_completions(client: openai.OpenAI) -> None:
+    """test_logprob_token_ids_stream_with_no_top_k (chat) and completion/test_completion.py's
+    test_logprob_token_ids and test_logprob_token_ids_stream; `logprob_token_ids` with
+    beam search, or without `logprobs`, is a 400 naming it."""
+    extra = {
+        "logprob_token_ids": [200],
+        "allowed_token_ids": [42],
+        "return_tokens_as_token_ids": True,
+    }
+    stream = client.chat.completions.create(stream=True, **_one_token(**extra))
+    returned: list[int] = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for content in chunk.choices[0].logprobs.content or ():
+                returned += [_id(entry.token) for entry in content.top_logprobs]
+    assert set(returned) == {42, 200}
+    call: dict[str, Any] = {"model": MODEL, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    choice: Any = client.completions.create(logprobs=5, extra_body=extra, **call).choices[0]
+    assert choice.logprobs.tokens == ["token_id:42"]
+    assert set(choice.logprobs.top_logprobs[0]) == {"token_id:42", "token_id:200"}
+    tops = [
+        top
+        for chunk in client.completions.create(logprobs=5, stream=True, extra_body=extra, **call)
+        for top in chunk.choices[0].logprobs.top_logprobs or ()  # type: ignore[union-attr]
+        if top is not None
+    ]
+    assert len(tops) == 1 and set(tops[0]) == {"token_id:42", "token_id:200"}
+    for bad in (
+        {"logprob_token_ids": [1]},
+        {"logprob_token_ids": [1], "use_beam_search": True},
+        {"logprob_token_ids": [258], "logprobs": 1},
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**call, extra_body=bad)
+        assert refused.value.body["param"] == "logprob_token_ids", refused.value.body  # type: ignore[index]

@@ -71,6 +71,9 @@ class Sampling(Strict):
         "prompt_logprobs",
         description="the same for each prompt token, on the first token event (vLLM's)",
     )
+    logprob_token_ids: list[int] | None = Field(
+        None, description="with logprobs: these tokens' in the place of the top k (vLLM's)"
+    )
     presence_penalty: float = sampling_field(
         "presence_penalty", description="subtracted once from tokens already out"
     )

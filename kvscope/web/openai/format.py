@@ -89,6 +89,8 @@ class Choices:
         #: vLLM's `return_token_ids`: the prompt's ids and each choice's.
         self.return_token_ids = bool(body.return_token_ids)
         self.top_k = body.logprobs_wanted
+        #: vLLM's `logprob_token_ids`: a token's alternatives are those tokens, all shown.
+        self.pinned = bool(body.logprob_token_ids)
         self.wanted = self.top_k is not None
         #: The echoed prompts' log-probabilities come before the completions'.
         self.scores_echo = echo and self.wanted and not chat
@@ -201,7 +203,9 @@ class Choices:
         if not self.wanted or logprobs is None:
             return None
         if self.chat:
-            content = token_entries(self.engine.tokenizer, token_ids, logprobs, as_ids=self.as_ids)
+            content = token_entries(
+                self.engine.tokenizer, token_ids, logprobs, as_ids=self.as_ids, pinned=self.pinned
+            )
             return {"content": content, "refusal": None}
         tokens = [self.shown(t) for t in token_ids]
         return {
@@ -216,7 +220,8 @@ class Choices:
         others (OpenAI's and vLLM's: so `logprobs: 0` gives the token alone). Two tokens
         that decode alike (parts of one character) would collide, so the later one is
         keyed `token_id:N` (vLLM's spelling of a token by id)."""
-        others = [(t, v) for t, v in logprobs.top if t != token][: self.top_k or 0]
+        others = [(t, v) for t, v in logprobs.top if t != token]
+        others = others if self.pinned else others[: self.top_k or 0]
         top: dict[str, float] = {}
         for candidate, value in [(token, logprobs.logprob), *others]:
             text = self.shown(candidate)
@@ -230,18 +235,25 @@ def token_entries(
     logprobs: Sequence[TokenLogprobs],
     *,
     as_ids: bool = False,
+    pinned: bool = False,
 ) -> list[dict[str, Any]]:
     """Chat's (and the Responses API's) log-probabilities of tokens: each one's text
     (`token_id:N` with `as_ids`), log-probability and its text's UTF-8 bytes, and the
-    same of its top alternatives."""
+    same of its top alternatives; of `logprob_token_ids` (`pinned`), the token itself
+    and the tokens named (vLLM's)."""
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token], skip_special_tokens=False)
         shown = f"token_id:{token}" if as_ids else text
         return {"token": shown, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
+    def alternatives(token: int, lp: TokenLogprobs) -> list[tuple[int, float]]:
+        if not pinned:
+            return list(lp.top)
+        return [(token, lp.logprob), *((t, v) for t, v in lp.top if t != token)]
+
     return [
-        {**entry(token, lp.logprob), "top_logprobs": [entry(*x) for x in lp.top]}
+        {**entry(token, lp.logprob), "top_logprobs": [entry(*x) for x in alternatives(token, lp)]}
         for token, lp in zip(token_ids, logprobs, strict=True)
     ]
 

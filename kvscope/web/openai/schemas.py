@@ -62,6 +62,7 @@ BEAM_SEARCH_REFUSES = (
     "logprobs",
     "top_logprobs",
     "prompt_logprobs",
+    "logprob_token_ids",
     "echo",
     "response_format",
     "guided_json",
@@ -119,6 +120,9 @@ class OpenAISampling(BaseModel):
     prompt_logprobs: int | None = sampling_field(
         "prompt_logprobs", description="vLLM's: each prompt token's and the top k; not streamed"
     )
+    logprob_token_ids: list[int] | None = Field(
+        None, description="vLLM's, with logprobs: these tokens' in the place of the top k"
+    )
     priority: int = bounded_field(PRIORITY, 0)
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: constrained decoding"
@@ -175,6 +179,7 @@ class OpenAISampling(BaseModel):
             "bad_words": self.bad_words,
             "seed": self.seed,
             "logit_bias": self.logit_bias,
+            "logprob_token_ids": self.logprob_token_ids or None,  # [] asks for none (vLLM's)
             "guided_json": self.guided_json,
             "guided_regex": self.guided_regex,
             "guided_choice": self.guided_choice,
