@@ -122,7 +122,7 @@ def test_chat_token_ids(live: Live, client: openai.OpenAI) -> None:
     assert prompt.endswith("I love cats 🐱\nassistant:")
     token_ids = response.choices[0].token_ids  # type: ignore[attr-defined]
     assert TOKENIZER.decode(token_ids) == response.choices[0].message.content
-    content, streamed = "", []
+    content, streamed = "", list[int]()
     for number, chunk in enumerate(client.chat.completions.create(stream=True, **call)):
         if number == 0:
             assert chunk.prompt_token_ids == response.prompt_token_ids  # type: ignore[attr-defined]
