@@ -18,7 +18,8 @@ import pytest
 
 from kvscope.params import PRIORITY, TIMEOUT, Bound, SamplingParams
 from kvscope.web.native.schemas import SAMPLING_FIELDS, GenerateBody
-from kvscope.web.openai.schemas import MAX_TEMPERATURE, ChatBody, CompletionBody
+from kvscope.web.openai.chat_schemas import ChatBody
+from kvscope.web.openai.schemas import MAX_TEMPERATURE, CompletionBody
 
 from .conftest import Live, wait_clean
 

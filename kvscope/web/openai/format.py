@@ -84,8 +84,8 @@ class Choices:
         self.echo: list[str] | None = None
         if echo and isinstance(body, CompletionBody):
             self.echo = self._echoes(body, prompts)
-        elif (echoed := getattr(body, "echoed", None)) is not None:
-            self.echo = [echoed]
+        elif (echoes := getattr(body, "echoes", None)) is not None:
+            self.echo = echoes
         #: vLLM's `return_token_ids`: the prompt's ids and each choice's.
         self.return_token_ids = bool(body.return_token_ids)
         self.top_k = body.logprobs_wanted

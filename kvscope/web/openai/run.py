@@ -197,7 +197,8 @@ async def complete(
     }
     if chat:  # vLLM's place for the one prompt's: the answer's, null unless asked
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
-        answer["prompt_token_ids"] = view.returned_ids(0, ())[0]
+        # The one prompt's; a batch of chats has no one prompt (vLLM's: null).
+        answer["prompt_token_ids"] = view.returned_ids(0, ())[0] if len(plans) == 1 else None
     return answer, 200, {"X-Request-Id": results[0].id}
 
 

@@ -1,4 +1,5 @@
-"""OpenAI-compatible request bodies (`/v1/completions`, `/v1/chat/completions`).
+"""OpenAI-compatible request bodies: the sampling fields `/v1/completions` and the chat
+routes share, and `/v1/completions`' body (the chat bodies are `chat_schemas`').
 
 Refused, never ignored: a field that is not declared here is a 400 naming it (a field
 that changes the output and is silently dropped is a wrong answer that looks right).
@@ -15,18 +16,15 @@ a body holds (`stream_options`, `response_format`, ...) are `options`'.
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvscope import InvalidRequest
 from kvscope.beam_search import MAX_BEAM_WIDTH
 from kvscope.params import GENERATION_DEFAULTED, MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
 from ..native.schemas import bounded_field, sampling_field
 from .options import ResponseFormat, StreamOptions, StructuredOutputs
-from .tools import ToolChoice, ToolDef, ToolPlan
 
 #: OpenAI's limits, narrower than what `SamplingParams` allows.
 MAX_N = 16
@@ -273,73 +271,3 @@ class CompletionBody(OpenAISampling):
         echoed = self.logprobs if self.echo else None
         asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
         return max(asked) if asked else None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    @property
-    def text(self) -> str:
-        """Its content as text: a list of parts keeps its text parts (any other part is
-        refused, `InvalidRequest`)."""
-        content = self.content
-        if content is None or isinstance(content, str):
-            return content or ""
-        parts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatTemplateOptions(BaseModel):
-    """vLLM's options for rendering a chat (`/v1/chat/completions`, `/tokenize`)."""
-
-    add_generation_prompt: bool = Field(True, description="open the assistant's turn")
-    continue_final_message: bool = Field(
-        False, description="end the prompt inside the final (assistant) message"
-    )
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="more template variables, such as enable_thinking"
-    )
-
-
-class ChatBody(ChatTemplateOptions, OpenAISampling):
-    """`POST /v1/chat/completions`."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    echo: bool = Field(
-        False, description="vLLM's: the answer begins with the last message, the assistant's"
-    )
-    max_completion_tokens: int | None = sampling_field("max_tokens", None)
-    logprobs: bool = False
-    top_logprobs: int | None = sampling_field("logprobs", description="needs logprobs")
-    tools: list[ToolDef] | None = None
-    tool_choice: ToolChoice | None = Field(None, description="auto by default with tools")
-    parallel_tool_calls: bool | None = Field(None, description="false: one call at most")
-
-    @property
-    def logprobs_wanted(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def echoed(self) -> str | None:
-        """What each answer begins with under `echo`: the last message, when it is the
-        assistant's (vLLM's rule: the new message continues it)."""
-        last = self.messages[-1]
-        return last.text if self.echo and last.role == "assistant" else None
-
-    @cached_property
-    def tool_plan(self) -> ToolPlan:
-        """What `tools` and `tool_choice` ask (a 400 naming the field if they disagree)."""
-        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
-
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        params = super().sampling(max_tokens)
-        guide = self.tool_plan.guide()
-        if guide is not None:  # a required or named tool call: its arguments' schema
-            params["guided_json"] = guide
-        return params

@@ -45,11 +45,11 @@ from ...parsers.reasoning import NONE as NO_REASONING
 from ...parsers.reasoning import ReasoningParser
 from ...sse import StreamBody, sse_response
 from ..chat import chat_prompt, chat_size
+from ..chat_schemas import ChatMessage, ChatTemplateOptions
 from ..completions import read_openai_body
 from ..model_names import adapter_of
 from ..prompts import max_tokens
 from ..run import check_params
-from ..schemas import ChatMessage, ChatTemplateOptions
 from ..tools import ToolPlan
 from .format import ResponseEvents
 from .ids import response_id
