@@ -84,16 +84,20 @@ TIMEOUT = Bound(0.0, TIMEOUT_MAX, lo_open=True)
 
 #: Below this temperature sampling is greedy: dividing logits by less overflows them.
 GREEDY_BELOW = 1e-5
-#: The most alternatives `logprobs` may ask for per token (vLLM's default cap; OpenAI's
-#: chat API allows 20).
+#: The most alternatives `logprobs` may ask for per token, unless the engine says
+#: otherwise (`EngineConfig.max_logprobs`, vLLM's `--max-logprobs` and its default;
+#: OpenAI's chat API allows 20). -1 asks for the whole vocabulary (vLLM's).
 MAX_LOGPROBS = 20
+#: What `logprobs` and `prompt_logprobs` may say: -1 (every token) or a count, which
+#: `check_vocab` holds to the engine's cap.
+LOGPROBS = Bound(-1, INT32, integer=True)
 #: The most tokens `logprob_token_ids` may name (vLLM's bound).
 MAX_LOGPROB_TOKEN_IDS = 128
 #: A `logit_bias` value is added to the token's logit; -100 bans the token, +100 forces it.
 MAX_LOGIT_BIAS = 100.0
-#: The seeds accepted: any 64-bit integer, signed or not (what OpenAI and vLLM take,
-#: and the range `torch.Generator.manual_seed` accepts).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: The seeds accepted: any signed 64-bit integer (vLLM's range, which refuses 2**63 and
+#: beyond with a 400; `torch.Generator.manual_seed` takes them all).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: Presence and frequency penalties: OpenAI's range.
 PENALTY = Bound(-2.0, 2.0)
 
@@ -167,14 +171,12 @@ class SamplingParams:
     # allowed_token_ids, bias, min_tokens, the penalties, then bad_words, before
     # temperature, min_p, top-k and top-p).
     #: Log-probabilities of each chosen token and of the `logprobs` most likely
-    #: alternatives (0: the chosen token's only); None: none.
-    logprobs: int | None = _bounded(None, Bound(0, MAX_LOGPROBS, integer=True), optional=True)
+    #: alternatives (0: the chosen token's only; -1: every token's); None: none.
+    logprobs: int | None = _bounded(None, LOGPROBS, optional=True)
     #: The same for each prompt token after the first, given the tokens before it
     #: (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`). Such a request
     #: computes its whole prompt: it takes no cached prefix and shares no sibling's.
-    prompt_logprobs: int | None = _bounded(
-        None, Bound(0, MAX_LOGPROBS, integer=True), optional=True
-    )
+    prompt_logprobs: int | None = _bounded(None, LOGPROBS, optional=True)
     #: vLLM's: with `logprobs`, each token's alternatives are these tokens (in this
     #: order) in the place of the most likely ones.
     logprob_token_ids: tuple[int, ...] | None = attrs.field(
@@ -280,8 +282,18 @@ class SamplingParams:
         """Anything set that changes the logits before sampling."""
         return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Token ids named here must exist in the model's vocabulary (ValueError if not)."""
+    def check_vocab(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Token ids named here must exist in the model's vocabulary, and the
+        alternatives asked for per token (-1: the vocabulary) be at most `max_logprobs`
+        (-1: any number); ValueError naming the field if not."""
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            count = vocab_size if asked == -1 else asked
+            if count is not None and -1 < max_logprobs < count:
+                raise ValueError(  # vLLM's words, after the field's name
+                    f"{name} of {count} requested, which is greater than max allowed: "
+                    f"{max_logprobs} (--max-logprobs)"
+                )
         for token, _bias in self.logit_bias:
             if token >= vocab_size:
                 raise ValueError(

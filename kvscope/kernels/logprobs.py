@@ -45,8 +45,11 @@ def logprobs_of(
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
-    """Row i's log-probability of `targets[i]` and its `ks[i]` most likely tokens."""
+    """Row i's log-probability of `targets[i]` and its `ks[i]` most likely tokens (-1,
+    or more than there are: all of them)."""
     device = logits.device
+    vocab = logits.shape[-1]
+    ks = [vocab if k < 0 else min(k, vocab) for k in ks]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target_ids = torch.tensor(targets, device=device).unsqueeze(1)
     chosen_values = logprobs.gather(1, target_ids)

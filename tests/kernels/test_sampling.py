@@ -94,6 +94,19 @@ def test_logprob_token_ids_take_the_place_of_the_top_k() -> None:
         SamplingParams(logprobs=0, logprob_token_ids=[1, 4]).check_vocab(4)
 
 
+def test_logprobs_are_held_to_the_engines_cap() -> None:
+    """vLLM's `--max-logprobs` (20 unless told): -1 is the whole vocabulary, and a cap
+    of -1 holds nothing back; the kernel gives every token where -1 asks."""
+    for fields in ({"logprobs": 21}, {"logprobs": -1}, {"prompt_logprobs": -1}):
+        with pytest.raises(ValueError, match="greater than max allowed: 20") as caught:
+            SamplingParams(**fields).check_vocab(100)
+        assert field_of(caught.value) == next(iter(fields))
+    SamplingParams(logprobs=-1, prompt_logprobs=100).check_vocab(100, max_logprobs=100)
+    SamplingParams(logprobs=5000).check_vocab(100, max_logprobs=-1)
+    out = sample(torch.tensor([[0.5, 2.0, -1.0]]), [SamplingParams(**GREEDY, logprobs=-1)], [None])
+    assert out[0].logprobs is not None and [t for t, _ in out[0].logprobs.top] == [1, 0, 2]
+
+
 def test_logit_bias_bans_and_forces() -> None:
     logits = torch.tensor([[1.0, 4.0, 3.0, 0.0]])
     banned = sample(logits, [SamplingParams(**GREEDY, logit_bias={"1": -100})], [None])
@@ -174,13 +187,13 @@ def test_a_batch_mixes_plain_and_processed_rows() -> None:
         ({"logit_bias": {"1": "a lot"}}, "logit_bias"),
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"logit_bias": [1, 2]}, "logit_bias"),
-        ({"logprobs": 21}, "logprobs"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 2**31}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**63}, "seed"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_choice": ["a", ""]}, "guided_choice"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
@@ -195,7 +208,7 @@ def test_out_of_range_values_name_their_field(fields: dict, field: str) -> None:
 
 def test_any_64_bit_seed_and_logit_bias_keys_as_json_gives_them() -> None:
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
-    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     assert SamplingParams(logit_bias={"7": -100, 3: 1.5}).logit_bias == ((3, 1.5), (7, -100.0))
     with pytest.raises(ValueError, match="vocabulary"):
         SamplingParams(logit_bias={300: 1}).check_vocab(258)

@@ -7,9 +7,9 @@ fields both routes share are `schemas`'.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kvscope import InvalidRequest
 
@@ -19,9 +19,15 @@ from .schemas import OpenAISampling
 from .tools import ToolChoice, ToolDef, ToolPlan
 
 
+def _boolean(value: bool | str) -> bool:
+    return value is True or value == "true"
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    #: OpenAI's (system, user, assistant, tool, developer) or any other: the chat
+    #: template reads it, as vLLM passes it on.
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
 
     @property
@@ -58,8 +64,12 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
     echo: bool = Field(
         False, description="vLLM's: the answer begins with the last message, the assistant's"
     )
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
     max_completion_tokens: int | None = sampling_field("max_tokens", None)
-    logprobs: bool = False
+    #: As a boolean, or (vLLM's, whose pydantic reads it so, and its tests send it) as
+    #: the string "true" or "false".
+    logprobs: Annotated[bool | Literal["true", "false"], AfterValidator(_boolean)] = False
     top_logprobs: int | None = sampling_field("logprobs", description="needs logprobs")
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = Field(None, description="auto by default with tools")

@@ -35,7 +35,7 @@ from ..parsers.reasoning import NONE as NO_REASONING
 from .chat import chat_prompt
 from .chat_schemas import BatchChatBody, ChatBody
 from .model_names import adapter_of, check_model
-from .prompts import batch, check_batch, max_tokens, prompt_ids, truncated
+from .prompts import check_batch, completion_prompts, max_tokens, prompt_ids, truncated
 from .run import Plan, complete
 from .schemas import CompletionBody, OpenAISampling
 from .tools import ToolPlan
@@ -92,7 +92,7 @@ async def completions() -> Any:
     special = body.add_special_tokens
     prompts = [
         truncated(await prompt_ids(ctx.engine, p, add_special_tokens=special), body)
-        for p in batch(body.prompt)
+        for p in completion_prompts(body)
     ]
     plans = [(ids, max_tokens(ctx.engine, len(ids), body.max_tokens, "prompt")) for ids in prompts]
     return await complete(ctx, plans, body, chat=False)

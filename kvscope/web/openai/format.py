@@ -23,7 +23,7 @@ from typing import Any
 from kvscope import Completion, Engine, Tokenizer, TokenLogprobs
 
 from ..sse import dumps, frame
-from .prompts import batch
+from .prompts import completion_prompts
 from .schemas import CompletionBody, OpenAISampling
 
 #: OpenAI keys that vLLM's whole answers (not its chunks) carry as null.
@@ -68,6 +68,7 @@ class Choices:
         as_ids: bool = False,
     ) -> None:
         self.engine = engine
+        self._texts: dict[int, str] = {}
         #: Log-probabilities show tokens as `token_id:N` (vLLM's
         #: `return_tokens_as_token_ids`; `as_ids` the server's default).
         asked = body.return_tokens_as_token_ids
@@ -100,7 +101,7 @@ class Choices:
         by `truncate_prompt_tokens`, its tokens' text), token ids as their text, special
         tokens included."""
         echoes = []
-        for index, (given, ids) in enumerate(zip(batch(body.prompt), prompts, strict=True)):
+        for index, (given, ids) in enumerate(zip(completion_prompts(body), prompts, strict=True)):
             self.given_as_ids[index] = not isinstance(given, str)
             if isinstance(given, str) and body.truncate_prompt_tokens is None:
                 echoes.append(given)
@@ -187,7 +188,13 @@ class Choices:
         }
 
     def token_text(self, token: int) -> str:
-        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+        """A token's text, decoded once a view (`-1` shows the vocabulary each token)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.engine.tokenizer.decode(
+                [token], skip_special_tokens=False
+            )
+        return text
 
     def shown(self, token: int) -> str:
         """A token as log-probabilities show it: its text, or `token_id:N`."""
@@ -221,7 +228,8 @@ class Choices:
         that decode alike (parts of one character) would collide, so the later one is
         keyed `token_id:N` (vLLM's spelling of a token by id)."""
         others = [(t, v) for t, v in logprobs.top if t != token]
-        others = others if self.pinned else others[: self.top_k or 0]
+        every = self.pinned or self.top_k == -1  # the tokens named, or the vocabulary
+        others = others if every else others[: self.top_k or 0]
         top: dict[str, float] = {}
         for candidate, value in [(token, logprobs.logprob), *others]:
             text = self.shown(candidate)

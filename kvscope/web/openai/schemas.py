@@ -16,7 +16,8 @@ a body holds (`stream_options`, `response_format`, ...) are `options`'.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -82,6 +83,8 @@ class OpenAISampling(BaseModel):
     default."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    #: The body's names of `SamplingParams` fields it spells otherwise (its 400s name them).
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {}
 
     model: str | None = None
     max_tokens: int | None = sampling_field("max_tokens", None)
@@ -91,7 +94,7 @@ class OpenAISampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: str | list[str] | None = None
-    seed: int | None = sampling_field("seed", description="any 64-bit integer")
+    seed: int | None = sampling_field("seed", description="any signed 64-bit integer")
     presence_penalty: float = sampling_field("presence_penalty")
     frequency_penalty: float = sampling_field("frequency_penalty")
     logit_bias: dict[str, float] | None = Field(
@@ -252,7 +255,10 @@ class OpenAISampling(BaseModel):
 class CompletionBody(OpenAISampling):
     """`POST /v1/completions`: a prompt as text or token ids, or a batch of them."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt_embeds: str | list[Any] | None = Field(
+        None, description="vLLM's: refused unless empty (prompts are text or token ids here)"
+    )
     echo: bool = Field(False, description="the prompt's text before the completion's")
     add_special_tokens: bool = Field(True, description="vLLM's: the BOS a text prompt gets")
     logprobs: int | None = sampling_field(
@@ -270,4 +276,4 @@ class CompletionBody(OpenAISampling):
         scored too); the more alternatives of the two."""
         echoed = self.logprobs if self.echo else None
         asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
-        return max(asked) if asked else None
+        return max(asked, key=lambda k: math.inf if k == -1 else k) if asked else None  # -1: all

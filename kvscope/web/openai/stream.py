@@ -51,9 +51,14 @@ class StreamSetup:
         reasoning: ReasoningParser,
         *,
         details: bool,
+        force_usage: bool = False,
     ) -> None:
         self.body, self.view, self.fmt, self.reasoning = body, view, fmt, reasoning
         self.details = details
+        #: The usage chunk, and usage on every chunk: as asked, or always under vLLM's
+        #: `--enable-force-include-usage` (`force_usage`).
+        self.include_usage = body.include_usage or force_usage
+        self.continuous_usage = body.continuous_usage or force_usage
         #: The tool plan when the answer may call tools (its text is read for calls).
         self.whole = tools if tools is not None and tools.calls_tools else None
         self.auto = self.whole is not None and self.whole.mode == "auto"
@@ -229,7 +234,7 @@ class ChoiceStream:
     def _text_piece(self, text: str, *, plain: bool) -> Piece:
         """A text delta: the per-token template unless the chunk carries more."""
         body = self.setup.body
-        if plain and not body.continuous_usage and not body.return_token_ids:
+        if plain and not self.setup.continuous_usage and not body.return_token_ids:
             return self.setup.fmt.text_chunk(self.index, text)
         return self._chunk(text)
 
@@ -249,7 +254,7 @@ class ChoiceStream:
 
     def _framed(self, chunk: dict[str, Any]) -> bytes:
         """A chunk as its SSE message, with the choice's usage so far where asked."""
-        if self.setup.body.continuous_usage:
+        if self.setup.continuous_usage:
             chunk["usage"] = usage(self.prompt_tokens, self.tokens)
         return encode(chunk)
 
@@ -283,7 +288,7 @@ async def stream_chunks(
                 continue
         if out:
             yield out
-    if setup.body.include_usage:
+    if setup.include_usage:
         counts = usage_of([job.result for job in jobs], n, details=setup.details)
         last += encode(setup.fmt.usage_chunk(counts))
     yield last + DONE
