@@ -181,5 +181,9 @@ def test_more_than_max_logprobs_is_a_400(live: Live, client: openai.OpenAI) -> N
             refused = http.post(route, json={"max_tokens": 2, **body})
             assert refused.status_code == 400, refused.text
             assert refused.json()["error"]["param"].split(".")[0] == field, refused.text
+        include = ["message.output_text.logprobs"]
+        body = {"input": "x", "include": include, "top_logprobs": 21, "max_output_tokens": 2}
+        refused = http.post("/v1/responses", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
     completion = client.completions.create(model=MODEL, prompt=[0, 0, 0], logprobs=20)
     assert completion.choices[0].logprobs is not None

@@ -105,7 +105,8 @@ async def create_response() -> Any:
     )
     schema_field = "text" if body.text_format.type != "text" else "tools"
     lora = adapter_of(ctx.engine, body.model)
-    sampling = await check_params(ctx.engine, body.sampling(limit) | {"lora": lora}, schema_field)
+    kwargs = body.sampling(limit) | {"lora": lora}
+    sampling = await check_params(ctx.engine, kwargs, schema_field, {"logprobs": "top_logprobs"})
     sampling |= plan.sampling_overrides()
     job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
     model = lora or ctx.engine.model_name
