@@ -12,6 +12,7 @@ import json
 import attrs
 from attrs import validators as v
 
+from kvscope.params import MAX_LOGPROBS
 from kvscope.scheduling import allowed_cores, listed_cores
 
 _positive = v.gt(0)
@@ -156,6 +157,10 @@ class EngineConfig:
     #: Longest parent chain: a request may have at most this many ancestors. Each level
     #: nests one more cancel scope, and cancellation is delivered through the nesting.
     max_request_depth: int = attrs.field(default=32, validator=v.ge(0))
+    #: The most log-probabilities a request may ask for per token (`logprobs`,
+    #: `prompt_logprobs`; -1 asks for the whole vocabulary), as vLLM's `--max-logprobs`;
+    #: -1: no limit.
+    max_logprobs: int = attrs.field(default=MAX_LOGPROBS, validator=v.ge(-1))
     #: Most live requests in one family (a root request and all its descendants, the
     #: `n` samples of one call included).
     max_family_size: int = attrs.field(default=256, validator=_positive)

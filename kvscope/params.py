@@ -9,62 +9,21 @@ layer can answer 400.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from attrs import validators as v
 
-from kvscope.text import utf8_size
-
-
-def _strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
-
-
-def _ints(value: Iterable[int] | None) -> tuple[int, ...]:
-    return tuple(value) if value is not None else ()
-
-
-#: Most stop strings a request may give, and the longest (in characters): each one is
-#: searched for after every token, so together they bound a request's cost per token.
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
-
-
-def _non_empty_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    for item in value:
-        if not isinstance(item, str) or not item:
-            raise ValueError(f"{attribute.name} must hold non-empty strings")
-        utf8_size(item, attribute.name)
-
-
-def _non_empty_ids(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if not value:
-        raise ValueError(f"{attribute.name} must hold at least one token id")
-    _non_negative_ints(inst, attribute, value)
-
-
-def _stop_strings(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if len(value) > MAX_STOP_STRINGS:
-        raise ValueError(f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings")
-    _non_empty_strings(inst, attribute, value)
-    if any(len(item) > MAX_STOP_LENGTH for item in value):
-        raise ValueError(
-            f"{attribute.name} strings may be at most {MAX_STOP_LENGTH} characters long"
-        )
-
-
-def _non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    for item in value:
-        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
-            raise ValueError(f"{attribute.name} must hold non-negative integers")
-
+from kvscope.param_values import (
+    ints,
+    json_text,
+    non_empty_ids,
+    non_empty_strings,
+    non_negative_ints,
+    stop_strings,
+    strings,
+)
 
 #: The largest count a request may give (`max_tokens`, `top_k`, `min_tokens`, a
 #: priority): a signed 32-bit integer, so a JSON number never becomes a huge Python int.
@@ -125,14 +84,20 @@ TIMEOUT = Bound(0.0, TIMEOUT_MAX, lo_open=True)
 
 #: Below this temperature sampling is greedy: dividing logits by less overflows them.
 GREEDY_BELOW = 1e-5
-#: The most alternatives `logprobs` may ask for per token (vLLM's default cap; OpenAI's
-#: chat API allows 20).
+#: The most alternatives `logprobs` may ask for per token, unless the engine says
+#: otherwise (`EngineConfig.max_logprobs`, vLLM's `--max-logprobs` and its default;
+#: OpenAI's chat API allows 20). -1 asks for the whole vocabulary (vLLM's).
 MAX_LOGPROBS = 20
+#: What `logprobs` and `prompt_logprobs` may say: -1 (every token) or a count, which
+#: `check_vocab` holds to the engine's cap.
+LOGPROBS = Bound(-1, INT32, integer=True)
+#: The most tokens `logprob_token_ids` may name (vLLM's bound).
+MAX_LOGPROB_TOKEN_IDS = 128
 #: A `logit_bias` value is added to the token's logit; -100 bans the token, +100 forces it.
 MAX_LOGIT_BIAS = 100.0
-#: The seeds accepted: any 64-bit integer, signed or not (what OpenAI and vLLM take,
-#: and the range `torch.Generator.manual_seed` accepts).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: The seeds accepted: any signed 64-bit integer (vLLM's range, which refuses 2**63 and
+#: beyond with a 400; `torch.Generator.manual_seed` takes them all).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: Presence and frequency penalties: OpenAI's range.
 PENALTY = Bound(-2.0, 2.0)
 
@@ -166,20 +131,6 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
-def _json_text(value: Any) -> str | None:
-    """A JSON schema given as an object (or as its JSON text) as compact JSON text."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ValueError("guided_json must be a JSON schema (an object)") from None
-    if not isinstance(value, dict):
-        raise ValueError("guided_json must be a JSON schema (an object)")
-    return json.dumps(value, separators=(",", ":"))  # key order is generation order
-
-
 #: The structured-output fields, of which a request gives at most one.
 GUIDES = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -207,9 +158,9 @@ class SamplingParams:
     min_p: float = _bounded(0.0, Bound(0.0, 1.0))
     # The range torch.Generator.manual_seed accepts.
     seed: int | None = _bounded(None, Bound(SEED_MIN, SEED_MAX, integer=True), optional=True)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_stop_strings)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
-        default=(), converter=_ints, validator=_non_negative_ints
+        default=(), converter=ints, validator=non_negative_ints
     )
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool))
     #: vLLM's: the text keeps the stop string (or stop token) that ended it.
@@ -220,13 +171,18 @@ class SamplingParams:
     # allowed_token_ids, bias, min_tokens, the penalties, then bad_words, before
     # temperature, min_p, top-k and top-p).
     #: Log-probabilities of each chosen token and of the `logprobs` most likely
-    #: alternatives (0: the chosen token's only); None: none.
-    logprobs: int | None = _bounded(None, Bound(0, MAX_LOGPROBS, integer=True), optional=True)
+    #: alternatives (0: the chosen token's only; -1: every token's); None: none.
+    logprobs: int | None = _bounded(None, LOGPROBS, optional=True)
     #: The same for each prompt token after the first, given the tokens before it
     #: (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`). Such a request
     #: computes its whole prompt: it takes no cached prefix and shares no sibling's.
-    prompt_logprobs: int | None = _bounded(
-        None, Bound(0, MAX_LOGPROBS, integer=True), optional=True
+    prompt_logprobs: int | None = _bounded(None, LOGPROBS, optional=True)
+    #: vLLM's: with `logprobs`, each token's alternatives are these tokens (in this
+    #: order) in the place of the most likely ones.
+    logprob_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=attrs.converters.optional(ints),
+        validator=v.optional(non_empty_ids),
     )
     presence_penalty: float = _bounded(0.0, PENALTY)
     frequency_penalty: float = _bounded(0.0, PENALTY)
@@ -238,23 +194,21 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
     #: vLLM's: words the output may not hold. The token that would complete one (as
     #: the word is spelled at the text's start, or after a space) is banned.
-    bad_words: tuple[str, ...] = attrs.field(
-        default=(), converter=_strings, validator=_stop_strings
-    )
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=strings, validator=stop_strings)
     #: vLLM's: only these tokens may be drawn (None: any).
     allowed_token_ids: tuple[int, ...] | None = attrs.field(
         default=None,
-        converter=attrs.converters.optional(_ints),
-        validator=v.optional(_non_empty_ids),
+        converter=attrs.converters.optional(ints),
+        validator=v.optional(non_empty_ids),
     )
     # Structured output (vLLM's names; kernels/guided.py): at most one of these.
     #: A JSON schema the output must match (kept as canonical JSON text).
-    guided_json: str | None = attrs.field(default=None, converter=_json_text)
+    guided_json: str | None = attrs.field(default=None, converter=json_text)
     #: A regular expression the whole output must match.
     guided_regex: str | None = attrs.field(default=None, validator=v.optional(v.instance_of(str)))
     #: The output is exactly one of these strings.
     guided_choice: tuple[str, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(_strings)
+        default=None, converter=attrs.converters.optional(strings)
     )
     #: A grammar the whole output must match: Lark (llguidance's), or GBNF as vLLM's
     #: and llama.cpp's grammars are written (`root ::= ...`).
@@ -279,13 +233,24 @@ class SamplingParams:
         if value is not None:
             if not value:
                 raise ValueError("guided_choice must hold at least one string")
-            _non_empty_strings(self, attribute, value)
+            non_empty_strings(self, attribute, value)
 
     @guided_grammar.validator
     def _one_guide(self, _attribute: attrs.Attribute, _value: str | None) -> None:
         given = [name for name in GUIDES if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}; give one guide")
+
+    @logprob_token_ids.validator
+    def _pinned_logprobs(self, _attribute: attrs.Attribute, value: tuple[int, ...] | None) -> None:
+        if value is None:
+            return
+        if len(value) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(
+                f"logprob_token_ids may name at most {MAX_LOGPROB_TOKEN_IDS} tokens, not {len(value)}"
+            )
+        if self.logprobs is None:
+            raise ValueError("logprob_token_ids needs logprobs")
 
     @min_tokens.validator
     def _min_below_max(self, _attribute: attrs.Attribute, value: int) -> None:
@@ -317,8 +282,18 @@ class SamplingParams:
         """Anything set that changes the logits before sampling."""
         return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Token ids named here must exist in the model's vocabulary (ValueError if not)."""
+    def check_vocab(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Token ids named here must exist in the model's vocabulary, and the
+        alternatives asked for per token (-1: the vocabulary) be at most `max_logprobs`
+        (-1: any number); ValueError naming the field if not."""
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            count = vocab_size if asked == -1 else asked
+            if count is not None and -1 < max_logprobs < count:
+                raise ValueError(  # vLLM's words, after the field's name
+                    f"{name} of {count} requested, which is greater than max allowed: "
+                    f"{max_logprobs} (--max-logprobs)"
+                )
         for token, _bias in self.logit_bias:
             if token >= vocab_size:
                 raise ValueError(
@@ -329,6 +304,11 @@ class SamplingParams:
                 raise ValueError(
                     f"allowed_token_ids id {token} is not below the vocabulary size {vocab_size}"
                 )
+        if bad := [token for token in self.logprob_token_ids or () if token >= vocab_size]:
+            raise ValueError(  # vLLM's words
+                f"logprob_token_ids holds token_id(s) {bad} out of vocabulary. "
+                f"Vocabulary size: {vocab_size}"
+            )
 
     @classmethod
     def fields(cls) -> frozenset[str]:

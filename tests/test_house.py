@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvscope.config",
         "kvscope.errors",
         "kvscope.options",
+        "kvscope.param_values",
         "kvscope.params",
         "kvscope.scheduling",
         "kvscope.text",

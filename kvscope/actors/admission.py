@@ -123,8 +123,13 @@ class Admission:
                 )
             vocab = self.loaded.config.vocab_size
             for token in prompt:
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                if isinstance(token, bool) or not isinstance(token, int):
                     raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+                if not 0 <= token < vocab:  # vLLM's words first
+                    raise InvalidRequest(
+                        f"Token id {token} is out of vocabulary: prompt token ids must be "
+                        f"integers in [0, {vocab})"
+                    )
             return list(prompt)
         raise InvalidRequest("the prompt must be a string or a list of token ids")
 
@@ -138,7 +143,7 @@ class Admission:
                 params = attrs.evolve(spec.params, **sampling)
             else:
                 params = spec.params
-            params.check_vocab(self.loaded.config.vocab_size)
+            params.check_vocab(self.loaded.config.vocab_size, self.config.max_logprobs)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
         self._check_adapter(params)
@@ -195,7 +200,8 @@ class Admission:
         self._check_family(parent, spec.samples)
         state = self._new_state(spec, spec.request_id, prompt_ids, params, parent)
         for index in range(1, spec.samples):
-            seed = None if params.seed is None else (params.seed + index) % 2**64
+            # Sample i's seed is seed + i, wrapped to stay a signed 64-bit integer.
+            seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
             sample = attrs.evolve(params, seed=seed)
             state.pending_children.append(self._new_state(spec, None, prompt_ids, sample, state))
         self.ledger.admitting += spec.samples

@@ -28,15 +28,28 @@ class TokenLogprobs:
 def logprobs_of(
     logits: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams], rows: list[int]
 ) -> list[TokenLogprobs]:
-    """The raw log-probabilities of the chosen tokens of `rows` and their top k."""
+    """The raw log-probabilities of the chosen tokens of `rows` and their top k, or
+    the tokens their `logprob_token_ids` name in the place of the top k."""
     chosen = logits[torch.tensor(rows, device=logits.device)]
-    ks = [params[r].logprobs or 0 for r in rows]
-    return token_logprobs(chosen, [tokens[r] for r in rows], ks)
+    pinned = [params[r].logprob_token_ids for r in rows]
+    ks = [0 if ids else params[r].logprobs or 0 for r, ids in zip(rows, pinned, strict=True)]
+    found = token_logprobs(chosen, [tokens[r] for r in rows], ks)
+    if not any(pinned):
+        return found
+    for j, ids in enumerate(pinned):
+        if ids:
+            row = torch.log_softmax(chosen[j].float(), dim=-1)
+            values = row[torch.tensor(ids, device=logits.device)].tolist()
+            found[j] = attrs.evolve(found[j], top=tuple(zip(ids, values, strict=True)))
+    return found
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
-    """Row i's log-probability of `targets[i]` and its `ks[i]` most likely tokens."""
+    """Row i's log-probability of `targets[i]` and its `ks[i]` most likely tokens (-1,
+    or more than there are: all of them)."""
     device = logits.device
+    vocab = logits.shape[-1]
+    ks = [vocab if k < 0 else min(k, vocab) for k in ks]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target_ids = torch.tensor(targets, device=device).unsqueeze(1)
     chosen_values = logprobs.gather(1, target_ids)

@@ -45,7 +45,6 @@ def create_app(
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
         RESPONSE_TIMEOUT=None,
-        JSON_SORT_KEYS=False,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     if metrics is None:
@@ -63,6 +62,9 @@ def create_app(
         else None,
         security=[{"bearer": []}] if settings.api_keys else None,
     )
+    # Keys in the order the routes put them (a logprobs' `top_logprobs` leads with the
+    # sampled token, as vLLM's): the provider (quart_schema's) reads its own attribute, not the config.
+    app.json.sort_keys = False  # type: ignore[attr-defined]
     # quart_schema converts every dict a route returns through a new pydantic
     # TypeAdapter, built per response (a sixth of the loop's time on a GET /stats);
     # kvscope's routes return JSON builtins, which need no conversion.

@@ -133,6 +133,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         stats_log_interval=0.0 if args.disable_log_stats else STATS_LOG_INTERVAL,
         runtime_lora_updating=os.environ.get(lora_admin.SWITCH, "").lower() in lora_admin.SWITCH_ON,
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
         model_path=args.model,
     )
 

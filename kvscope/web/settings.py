@@ -101,6 +101,12 @@ class ServerSettings:
     #: vLLM's `--enable-prompt-tokens-details`: usage counts the prompt tokens the prefix
     #: cache held (`prompt_tokens_details.cached_tokens`); off unless asked, as vLLM's.
     prompt_tokens_details: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    #: vLLM's `--return-tokens-as-token-ids`: log-probabilities show each token as
+    #: `token_id:N` unless a request's `return_tokens_as_token_ids` says otherwise.
+    return_tokens_as_token_ids: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    #: vLLM's `--enable-force-include-usage`: every stream sends usage, on each chunk and
+    #: in a last usage chunk, whatever its `stream_options` say.
+    force_include_usage: bool = attrs.field(default=False, validator=v.instance_of(bool))
     #: The model as `kvscope serve` was given it (a checkpoint's path): the model card's
     #: `root`, as vLLM's; None: the name it is served as.
     model_path: str | None = None

@@ -20,6 +20,18 @@ ALWAYS = {
 }
 
 
+#: vLLM's switches of the OpenAI surface that kvscope honours (`ServerSettings` holds
+#: each), and what each does.
+SWITCHES = {
+    "--enable-prompt-tokens-details": "usage counts the prompt tokens the prefix cache held "
+    "(prompt_tokens_details.cached_tokens)",
+    "--enable-force-include-usage": "every stream sends usage, on each chunk and in a last "
+    "usage chunk",
+    "--return-tokens-as-token-ids": "log-probabilities show each token as token_id:N (a "
+    "request's return_tokens_as_token_ids decides for it)",
+}
+
+
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's `serve` options that kvscope honours, spelled as vLLM spells them."""
     group = parser.add_argument_group("as vllm serve takes them")
@@ -58,12 +70,8 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="a log line for each request's start and end (kvscope's default)",
     )
     parser.set_defaults(log_requests=True)
-    group.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="usage counts the prompt tokens the prefix cache held "
-        "(prompt_tokens_details.cached_tokens)",
-    )
+    for flag, what in SWITCHES.items():
+        group.add_argument(flag, action="store_true", help=what)
     for flag, why in ALWAYS.items():
         group.add_argument(flag, action="store_true", help=f"accepted: {why}")
     for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):

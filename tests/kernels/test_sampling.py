@@ -70,6 +70,43 @@ def test_logprobs_are_the_raw_log_softmax_and_its_top_k() -> None:
     assert math.isclose(second.logprob, float(expected[1, 3]), rel_tol=1e-6)
 
 
+def test_logprob_token_ids_take_the_place_of_the_top_k() -> None:
+    """vLLM's `logprob_token_ids`: each row's alternatives are the named tokens, in
+    their order, whatever their rank; a row without them keeps its top k."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5], [0.0, 0.0, 0.0, 3.0]])
+    params = [
+        SamplingParams(**GREEDY, logprobs=3, logprob_token_ids=[2, 0]),
+        SamplingParams(**GREEDY, logprobs=1),
+    ]
+    out = sample(logits, params, [None, None])
+    expected = torch.log_softmax(logits, dim=-1)
+    first, second = out[0].logprobs, out[1].logprobs
+    assert first is not None and second is not None
+    assert [t for t, _ in first.top] == [2, 0]
+    assert [lp for _, lp in first.top] == pytest.approx(expected[0, [2, 0]].tolist())
+    assert math.isclose(first.logprob, float(expected[0, 1]), rel_tol=1e-6)
+    assert [t for t, _ in second.top] == [3]
+    with pytest.raises(ValueError, match="logprob_token_ids needs logprobs"):
+        SamplingParams(logprob_token_ids=[1])
+    with pytest.raises(ValueError, match="logprob_token_ids may name at most 128"):
+        SamplingParams(logprobs=0, logprob_token_ids=list(range(129)))
+    with pytest.raises(ValueError, match=r"logprob_token_ids holds token_id\(s\) \[4\]"):
+        SamplingParams(logprobs=0, logprob_token_ids=[1, 4]).check_vocab(4)
+
+
+def test_logprobs_are_held_to_the_engines_cap() -> None:
+    """vLLM's `--max-logprobs` (20 unless told): -1 is the whole vocabulary, and a cap
+    of -1 holds nothing back; the kernel gives every token where -1 asks."""
+    for fields in ({"logprobs": 21}, {"logprobs": -1}, {"prompt_logprobs": -1}):
+        with pytest.raises(ValueError, match="greater than max allowed: 20") as caught:
+            SamplingParams(**fields).check_vocab(100)
+        assert field_of(caught.value) == next(iter(fields))
+    SamplingParams(logprobs=-1, prompt_logprobs=100).check_vocab(100, max_logprobs=100)
+    SamplingParams(logprobs=5000).check_vocab(100, max_logprobs=-1)
+    out = sample(torch.tensor([[0.5, 2.0, -1.0]]), [SamplingParams(**GREEDY, logprobs=-1)], [None])
+    assert out[0].logprobs is not None and [t for t, _ in out[0].logprobs.top] == [1, 0, 2]
+
+
 def test_logit_bias_bans_and_forces() -> None:
     logits = torch.tensor([[1.0, 4.0, 3.0, 0.0]])
     banned = sample(logits, [SamplingParams(**GREEDY, logit_bias={"1": -100})], [None])
@@ -150,13 +187,13 @@ def test_a_batch_mixes_plain_and_processed_rows() -> None:
         ({"logit_bias": {"1": "a lot"}}, "logit_bias"),
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"logit_bias": [1, 2]}, "logit_bias"),
-        ({"logprobs": 21}, "logprobs"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 2**31}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**63}, "seed"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_choice": ["a", ""]}, "guided_choice"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
@@ -171,7 +208,7 @@ def test_out_of_range_values_name_their_field(fields: dict, field: str) -> None:
 
 def test_any_64_bit_seed_and_logit_bias_keys_as_json_gives_them() -> None:
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
-    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     assert SamplingParams(logit_bias={"7": -100, 3: 1.5}).logit_bias == ((3, 1.5), (7, -100.0))
     with pytest.raises(ValueError, match="vocabulary"):
         SamplingParams(logit_bias={300: 1}).check_vocab(258)

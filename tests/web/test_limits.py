@@ -144,7 +144,7 @@ def test_bad_input_is_a_4xx(live: Live) -> None:
             )
         for body in (
             b'{"messages": []}',
-            b'{"messages": [{"role": "wizard", "content": "x"}]}',
+            b'{"messages": [{"role": "", "content": "x"}]}',
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
             b'{"messages": "hi"}',
         ):

@@ -56,7 +56,7 @@ class Sampling(Strict):
     top_p: float = sampling_field("top_p")
     top_k: int = sampling_field("top_k", description="0 disables top-k")
     min_p: float = sampling_field("min_p", description="vLLM's; 0 is off")
-    seed: int | None = sampling_field("seed", description="any 64-bit integer")
+    seed: int | None = sampling_field("seed", description="any signed 64-bit integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these")
@@ -70,6 +70,9 @@ class Sampling(Strict):
     prompt_logprobs: int | None = sampling_field(
         "prompt_logprobs",
         description="the same for each prompt token, on the first token event (vLLM's)",
+    )
+    logprob_token_ids: list[int] | None = Field(
+        None, description="with logprobs: these tokens' in the place of the top k (vLLM's)"
     )
     presence_penalty: float = sampling_field(
         "presence_penalty", description="subtracted once from tokens already out"

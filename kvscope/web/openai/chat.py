@@ -17,7 +17,7 @@ from typing import Any
 from kvscope import Engine, InvalidRequest
 
 from ..errors import ApiError
-from .schemas import ChatMessage, ChatTemplateOptions
+from .chat_schemas import ChatMessage, ChatTemplateOptions
 
 #: Template variables a request's `chat_template_kwargs` may not set: the renderer's
 #: own arguments and the model's special tokens.

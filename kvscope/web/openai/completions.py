@@ -1,11 +1,12 @@
-"""The OpenAI-compatible API: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+"""The OpenAI-compatible API: `/v1/completions`, `/v1/chat/completions` (and vLLM's
+`/v1/chat/completions/batch`), `/v1/models`.
 
 This module reads and checks a call's body and hands it on: the prompts become token
 ids in `prompts`, `run` runs the samples and answers (whole or streamed),
 `format` shows them in OpenAI's formats. The `n` samples of one prompt are one
 parent request (sample 0) and `n - 1` children, so cancelling the parent cancels them
 all. A batch of prompts on `/v1/completions` is one such family per prompt (choice
-`i * n + j` is prompt i's sample j). Closing a stream, or leaving before a whole answer,
+`i * n + j` is prompt i's sample j), and so is a batch of chats (choice i). Closing a stream, or leaving before a whole answer,
 cancels every sample of every prompt. The response `id` is the engine's id of the first
 prompt's sample 0: `DELETE /requests/{id}` cancels that family.
 
@@ -32,10 +33,12 @@ from ..context import ServerContext, server
 from ..errors import ApiError
 from ..parsers.reasoning import NONE as NO_REASONING
 from .chat import chat_prompt
+from .chat_schemas import BatchChatBody, ChatBody
 from .model_names import adapter_of, check_model
-from .prompts import batch, max_tokens, prompt_ids, truncated
-from .run import complete
-from .schemas import ChatBody, CompletionBody, OpenAISampling
+from .prompts import check_batch, completion_prompts, max_tokens, prompt_ids, truncated
+from .run import Plan, complete
+from .schemas import CompletionBody, OpenAISampling
+from .tools import ToolPlan
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -89,7 +92,7 @@ async def completions() -> Any:
     special = body.add_special_tokens
     prompts = [
         truncated(await prompt_ids(ctx.engine, p, add_special_tokens=special), body)
-        for p in batch(body.prompt)
+        for p in completion_prompts(body)
     ]
     plans = [(ids, max_tokens(ctx.engine, len(ids), body.max_tokens, "prompt")) for ids in prompts]
     return await complete(ctx, plans, body, chat=False)
@@ -105,6 +108,32 @@ async def chat_completions() -> Any:
     begins with the last message, when it is the assistant's)."""
     ctx = server()
     body = await _read(ChatBody)
+    plan, tools = await _chat_plan(ctx, body)
+    # JSON (a schema's, a tool's arguments) has no room for reasoning: all of it is the
+    # answer. A regex or a choice constrains the whole text, tags and all.
+    json_out = body.json_output or tools.guide() is not None
+    reasoning = NO_REASONING if json_out else ctx.reasoning
+    return await complete(ctx, [plan], body, chat=True, tools=tools, reasoning=reasoning)
+
+
+@blueprint.post("/chat/completions/batch")
+@document_request(BatchChatBody)
+async def chat_completions_batch() -> Any:
+    """vLLM's batch of chats: `messages` is a list of conversations, each answered as a
+    chat of its own by the choice of its index; one answer, usage summed. Not streamed,
+    no tools, no beam search, `n` 1 (vLLM's limits)."""
+    ctx = server()
+    body = await _read(BatchChatBody)
+    body.check_batch()
+    check_batch(len(body.messages), "messages")
+    plans = [(await _chat_plan(ctx, body.conversation(i)))[0] for i in range(len(body.messages))]
+    reasoning = NO_REASONING if body.json_output else ctx.reasoning
+    return await complete(ctx, plans, body, chat=True, reasoning=reasoning)
+
+
+async def _chat_plan(ctx: ServerContext, body: ChatBody) -> tuple[Plan, ToolPlan]:
+    """A chat body's prompt and `max_tokens`, and what its tools ask, once its fields
+    agree (a 400 naming the one that does not)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = body.tool_plan.reading(ctx.tool_parser)  # a 400 where tools and tool_choice disagree
@@ -125,12 +154,7 @@ async def chat_completions() -> Any:
     ids = truncated(prompt, body)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    plan = (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param))
-    # JSON (a schema's, a tool's arguments) has no room for reasoning: all of it is the
-    # answer. A regex or a choice constrains the whole text, tags and all.
-    json_out = body.json_output or tools.guide() is not None
-    reasoning = NO_REASONING if json_out else ctx.reasoning
-    return await complete(ctx, [plan], body, chat=True, tools=tools, reasoning=reasoning)
+    return (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param)), tools
 
 
 # -- reading and checking a body ---------------------------------------------------------

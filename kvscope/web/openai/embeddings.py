@@ -45,11 +45,11 @@ from ..context import ServerContext, disconnect_reason, server
 from ..errors import ApiError
 from ..native.schemas import bounded_field
 from .chat import chat_prompt
+from .chat_schemas import ChatMessage, ChatTemplateOptions
 from .completions import read_openai_body
 from .model_names import adapter_of
 from .prompts import Prompt, batch, check_batch, prompt_ids
 from .run import cancel_all
-from .schemas import ChatMessage, ChatTemplateOptions
 
 blueprint = Blueprint("embeddings", __name__, url_prefix="/v1")
 

@@ -23,7 +23,7 @@ from typing import Any
 from kvscope import Completion, Engine, Tokenizer, TokenLogprobs
 
 from ..sse import dumps, frame
-from .prompts import batch
+from .prompts import completion_prompts
 from .schemas import CompletionBody, OpenAISampling
 
 #: OpenAI keys that vLLM's whole answers (not its chunks) carry as null.
@@ -59,9 +59,20 @@ class Choices:
     """How a choice's text and log-probabilities are shown, in OpenAI's formats."""
 
     def __init__(
-        self, engine: Engine, body: OpenAISampling, prompts: list[list[int]], *, chat: bool
+        self,
+        engine: Engine,
+        body: OpenAISampling,
+        prompts: list[list[int]],
+        *,
+        chat: bool,
+        as_ids: bool = False,
     ) -> None:
         self.engine = engine
+        self._texts: dict[int, str] = {}
+        #: Log-probabilities show tokens as `token_id:N` (vLLM's
+        #: `return_tokens_as_token_ids`; `as_ids` the server's default).
+        asked = body.return_tokens_as_token_ids
+        self.as_ids = as_ids if asked is None else asked
         self.chat = chat
         self.n = body.n
         self.prompts = prompts  # choice i is prompts[i // n]'s
@@ -74,9 +85,13 @@ class Choices:
         self.echo: list[str] | None = None
         if echo and isinstance(body, CompletionBody):
             self.echo = self._echoes(body, prompts)
-        elif (echoed := getattr(body, "echoed", None)) is not None:
-            self.echo = [echoed]
+        elif (echoes := getattr(body, "echoes", None)) is not None:
+            self.echo = echoes
+        #: vLLM's `return_token_ids`: the prompt's ids and each choice's.
+        self.return_token_ids = bool(body.return_token_ids)
         self.top_k = body.logprobs_wanted
+        #: vLLM's `logprob_token_ids`: a token's alternatives are those tokens, all shown.
+        self.pinned = bool(body.logprob_token_ids)
         self.wanted = self.top_k is not None
         #: The echoed prompts' log-probabilities come before the completions'.
         self.scores_echo = echo and self.wanted and not chat
@@ -86,7 +101,7 @@ class Choices:
         by `truncate_prompt_tokens`, its tokens' text), token ids as their text, special
         tokens included."""
         echoes = []
-        for index, (given, ids) in enumerate(zip(batch(body.prompt), prompts, strict=True)):
+        for index, (given, ids) in enumerate(zip(completion_prompts(body), prompts, strict=True)):
             self.given_as_ids[index] = not isinstance(given, str)
             if isinstance(given, str) and body.truncate_prompt_tokens is None:
                 echoes.append(given)
@@ -95,9 +110,23 @@ class Choices:
                 echoes.append(self.engine.tokenizer.decode(ids, skip_special_tokens=not keep))
         return echoes
 
+    def returned_ids(self, index: int, token_ids: Sequence[int]) -> tuple[Any, Any]:
+        """vLLM's `prompt_token_ids` and `token_ids` of choice `index` (null unless
+        `return_token_ids`): its prompt's and `token_ids`, the tokens it made so far."""
+        if not self.return_token_ids:
+            return None, None
+        return list(self.prompts[index // self.n]), list(token_ids)
+
     def prefix(self, index: int) -> str:
         """The echoed prompt of choice `index` (completions with `echo`)."""
         return self.echo[index // self.n] if self.echo is not None else ""
+
+    def first_offset(self, index: int) -> int:
+        """Where choice `index`'s first generated token's `text_offset` is: after its
+        echo (after the echoed tokens as shown, where they show as `token_id:N`)."""
+        if self.as_ids and self.scores_echo:
+            return sum(len(self.shown(t)) for t in self.prompts[index // self.n])
+        return len(self.prefix(index))
 
     def of_result(self, result: Completion, index: int) -> dict[str, Any] | None:
         """The log-probabilities of choice `index`'s whole answer: its echoed prompt's
@@ -143,8 +172,8 @@ class Choices:
             return None
         prompt = index // self.n
         ids = self.prompts[prompt]
-        tokens = [self.token_text(t) for t in ids]
-        if self.given_as_ids[prompt]:
+        tokens = [self.shown(t) for t in ids]
+        if self.given_as_ids[prompt] or self.as_ids:
             lengths = list(map(len, tokens))
         else:
             lengths = [len(self.engine.tokenizer.decode([t])) for t in ids]
@@ -159,7 +188,17 @@ class Choices:
         }
 
     def token_text(self, token: int) -> str:
-        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+        """A token's text, decoded once a view (`-1` shows the vocabulary each token)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.engine.tokenizer.decode(
+                [token], skip_special_tokens=False
+            )
+        return text
+
+    def shown(self, token: int) -> str:
+        """A token as log-probabilities show it: its text, or `token_id:N`."""
+        return f"token_id:{token}" if self.as_ids else self.token_text(token)
 
     def logprobs(
         self,
@@ -171,14 +210,16 @@ class Choices:
         if not self.wanted or logprobs is None:
             return None
         if self.chat:
-            content = token_entries(self.engine.tokenizer, token_ids, logprobs)
+            content = token_entries(
+                self.engine.tokenizer, token_ids, logprobs, as_ids=self.as_ids, pinned=self.pinned
+            )
             return {"content": content, "refusal": None}
-        tokens = [self.token_text(t) for t in token_ids]
+        tokens = [self.shown(t) for t in token_ids]
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [self._top(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)],
-            "text_offset": _offsets(list(map(len, tokens)), offset or len(self.prefix(index))),
+            "text_offset": _offsets(list(map(len, tokens)), offset or self.first_offset(index)),
         }
 
     def _top(self, token: int, logprobs: TokenLogprobs) -> dict[str, float]:
@@ -186,26 +227,41 @@ class Choices:
         others (OpenAI's and vLLM's: so `logprobs: 0` gives the token alone). Two tokens
         that decode alike (parts of one character) would collide, so the later one is
         keyed `token_id:N` (vLLM's spelling of a token by id)."""
-        others = [(t, v) for t, v in logprobs.top if t != token][: self.top_k or 0]
+        others = [(t, v) for t, v in logprobs.top if t != token]
+        every = self.pinned or self.top_k == -1  # the tokens named, or the vocabulary
+        others = others if every else others[: self.top_k or 0]
         top: dict[str, float] = {}
         for candidate, value in [(token, logprobs.logprob), *others]:
-            text = self.token_text(candidate)
+            text = self.shown(candidate)
             top[text if text not in top else f"token_id:{candidate}"] = value
         return top
 
 
 def token_entries(
-    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs],
+    *,
+    as_ids: bool = False,
+    pinned: bool = False,
 ) -> list[dict[str, Any]]:
-    """Chat's (and the Responses API's) log-probabilities of tokens: each one's text,
-    log-probability and UTF-8 bytes, and the same of its top alternatives."""
+    """Chat's (and the Responses API's) log-probabilities of tokens: each one's text
+    (`token_id:N` with `as_ids`), log-probability and its text's UTF-8 bytes, and the
+    same of its top alternatives; of `logprob_token_ids` (`pinned`), the token itself
+    and the tokens named (vLLM's)."""
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        shown = f"token_id:{token}" if as_ids else text
+        return {"token": shown, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def alternatives(token: int, lp: TokenLogprobs) -> list[tuple[int, float]]:
+        if not pinned:
+            return list(lp.top)
+        return [(token, lp.logprob), *((t, v) for t, v in lp.top if t != token)]
 
     return [
-        {**entry(token, lp.logprob), "top_logprobs": [entry(*x) for x in lp.top]}
+        {**entry(token, lp.logprob), "top_logprobs": [entry(*x) for x in alternatives(token, lp)]}
         for token, lp in zip(token_ids, logprobs, strict=True)
     ]
 
@@ -248,12 +304,23 @@ class ChunkFormat:
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
         reasoning: str | None = None,
+        ids: tuple[Any, Any] | None = None,
     ) -> dict[str, Any]:
+        """A chunk of choice `index`; `ids` its `return_token_ids` pair (`returned_ids`):
+        the prompt's, on a choice's first chunk only (chat's on the chunk itself), and
+        the tokens it brings."""
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": finish_reason,
             "logprobs": logprobs,
         }
+        head = self.head
+        if ids is not None:
+            prompt, choice["token_ids"] = ids
+            if self.chat and prompt is not None:
+                head = {**head, "prompt_token_ids": prompt}
+            elif not self.chat:
+                choice["prompt_token_ids"] = prompt
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if reasoning is not None:
@@ -265,7 +332,7 @@ class ChunkFormat:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        return {**self.head, "choices": [choice]}
+        return {**head, "choices": [choice]}
 
     def text_chunk(self, index: int, text: str) -> bytes:
         """The SSE message of `chunk(index, text, None)`, from the template."""

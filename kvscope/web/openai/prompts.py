@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvscope import Engine
 
 from ..errors import ApiError
-from .schemas import OpenAISampling
+from .schemas import CompletionBody, OpenAISampling
 
 Prompt = str | list[int]
 #: Most prompts (or texts to embed) in one call, OpenAI's limit for embeddings: each is
@@ -34,6 +34,18 @@ def batch(
         raise ApiError(400, f"the {param} is empty", param=param)
     check_batch(len(prompt), param)
     return list(prompt)  # type: ignore[arg-type]
+
+
+def completion_prompts(body: CompletionBody) -> list[Prompt]:
+    """A completions body's prompts; none given is a 400 in vLLM's words, and so are
+    prompt embeddings (vLLM's `prompt_embeds`), which this server does not take."""
+    if body.prompt_embeds:
+        raise ApiError(400, "prompt_embeds is not supported by this server", param="prompt_embeds")
+    if body.prompt is None or body.prompt == "":
+        raise ApiError(
+            400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
+    return batch(body.prompt)
 
 
 def check_batch(count: int, param: str) -> None:
@@ -60,9 +72,12 @@ async def prompt_ids(
 
 
 def truncated(ids: list[int], body: OpenAISampling) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), or all of it."""
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), its first with
+    `truncation_side: right`, or all of it."""
     keep = body.truncate_prompt_tokens
-    return ids if keep is None else ids[-keep:]
+    if keep is None:
+        return ids
+    return ids[:keep] if body.truncation_side == "right" else ids[-keep:]
 
 
 def max_tokens(

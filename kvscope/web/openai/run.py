@@ -44,18 +44,20 @@ async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) 
     """The body's `SamplingParams` kwargs, checked here so a bad one names its field."""
     given = body.guide_fields  # what the client sent; else a tool call's schema
     kwargs = body.sampling(max_tokens) | {"lora": adapter_of(engine, body.model)}
-    return await check_params(engine, kwargs, given[0] if given else "tools")
+    return await check_params(engine, kwargs, given[0] if given else "tools", body.ENGINE_NAMES)
 
 
-async def check_params(engine: Engine, kwargs: dict[str, Any], guide_field: str) -> dict[str, Any]:
+async def check_params(
+    engine: Engine, kwargs: dict[str, Any], guide_field: str, names: Mapping[str, str] = {}
+) -> dict[str, Any]:
     """`kwargs` once they make valid `SamplingParams` for `engine`'s model: else a 400
     naming the field (`guide_field` for the grammar, which the client sent under its
-    own name). A grammar compiles in a worker thread (a large schema can take a while),
-    into the cache the engine then reads."""
+    own name; `names` the body's names of other fields). A grammar compiles in a worker
+    thread (a large schema can take a while), into the cache the engine then reads."""
     vocab_size = engine.loaded.config.vocab_size
     try:
         params = SamplingParams(**kwargs)
-        params.check_vocab(vocab_size)
+        params.check_vocab(vocab_size, engine.config.max_logprobs)
         if params.guided:
             await anyio.to_thread.run_sync(engine.guides.check, params)
     except ValueError as exc:
@@ -64,7 +66,8 @@ async def check_params(engine: Engine, kwargs: dict[str, Any], guide_field: str)
         if param == "logit_bias" and isinstance(bias, Mapping):
             work = functools.partial(logit_bias_errors, bias, vocab_size)
             message = await engine.run_off_loop(len(bias) * BIAS_ENTRY_BYTES, work) or message
-        raise ApiError(400, message, param=guide_field if param in GUIDES else param) from None
+        param = guide_field if param in GUIDES else names.get(param or "", param)
+        raise ApiError(400, message, param=param) from None
     return kwargs
 
 
@@ -169,7 +172,8 @@ async def complete(
     the whole response. A chat's `reasoning` parser tells its reasoning
     (`reasoning_content`) from its answer, the content, in which its tool calls are
     read."""
-    view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat)
+    as_ids = ctx.settings.return_tokens_as_token_ids
+    view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat, as_ids=as_ids)
     model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
     details = ctx.settings.prompt_tokens_details
     if body.use_beam_search:
@@ -178,7 +182,10 @@ async def complete(
         jobs = await start(ctx, plans, body, tools)
         if body.stream:
             fmt = ChunkFormat(jobs[0].id, int(time.time()), model, chat=chat)
-            setup = StreamSetup(body, view, fmt, tools, reasoning, details=details)
+            force = ctx.settings.force_include_usage
+            setup = StreamSetup(
+                body, view, fmt, tools, reasoning, details=details, force_usage=force
+            )
             chunks = stream_chunks(jobs, setup, [max_tokens for _ids, max_tokens in plans])
             ids = [job.id for job in reversed(jobs)]
             return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
@@ -196,6 +203,8 @@ async def complete(
     }
     if chat:  # vLLM's place for the one prompt's: the answer's, null unless asked
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
+        # The one prompt's; a batch of chats has no one prompt (vLLM's: null).
+        answer["prompt_token_ids"] = view.returned_ids(0, ())[0] if len(plans) == 1 else None
     return answer, 200, {"X-Request-Id": results[0].id}
 
 
@@ -221,6 +230,8 @@ def _choice(
     if reasoning.splits:
         choice["message"]["reasoning_content"] = thought
     choice["logprobs"] = view.of_result(result, index)
-    if not view.chat:  # vLLM's, on each completions choice: null unless the prompt was scored
+    prompt_ids, choice["token_ids"] = view.returned_ids(index, result.token_ids)
+    if not view.chat:  # vLLM's, on each completions choice: null unless asked
         choice["prompt_logprobs"] = view.vllm_prompt_logprobs(index, result.prompt_logprobs)
+        choice["prompt_token_ids"] = prompt_ids
     return choice

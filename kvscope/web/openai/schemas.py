@@ -1,4 +1,5 @@
-"""OpenAI-compatible request bodies (`/v1/completions`, `/v1/chat/completions`).
+"""OpenAI-compatible request bodies: the sampling fields `/v1/completions` and the chat
+routes share, and `/v1/completions`' body (the chat bodies are `chat_schemas`').
 
 Refused, never ignored: a field that is not declared here is a 400 naming it (a field
 that changes the output and is silently dropped is a wrong answer that looks right).
@@ -15,18 +16,16 @@ a body holds (`stream_options`, `response_format`, ...) are `options`'.
 
 from __future__ import annotations
 
-from functools import cached_property
-from typing import Any, Literal
+import math
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvscope import InvalidRequest
 from kvscope.beam_search import MAX_BEAM_WIDTH
 from kvscope.params import GENERATION_DEFAULTED, MAX_LOGIT_BIAS, PRIORITY, SamplingParams
 
 from ..native.schemas import bounded_field, sampling_field
 from .options import ResponseFormat, StreamOptions, StructuredOutputs
-from .tools import ToolChoice, ToolDef, ToolPlan
 
 #: OpenAI's limits, narrower than what `SamplingParams` allows.
 MAX_N = 16
@@ -62,6 +61,7 @@ BEAM_SEARCH_REFUSES = (
     "logprobs",
     "top_logprobs",
     "prompt_logprobs",
+    "logprob_token_ids",
     "echo",
     "response_format",
     "guided_json",
@@ -83,6 +83,8 @@ class OpenAISampling(BaseModel):
     default."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    #: The body's names of `SamplingParams` fields it spells otherwise (its 400s name them).
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {}
 
     model: str | None = None
     max_tokens: int | None = sampling_field("max_tokens", None)
@@ -92,7 +94,7 @@ class OpenAISampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: str | list[str] | None = None
-    seed: int | None = sampling_field("seed", description="any 64-bit integer")
+    seed: int | None = sampling_field("seed", description="any signed 64-bit integer")
     presence_penalty: float = sampling_field("presence_penalty")
     frequency_penalty: float = sampling_field("frequency_penalty")
     logit_bias: dict[str, float] | None = Field(
@@ -113,8 +115,14 @@ class OpenAISampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=1, description="vLLM's: keep only the prompt's last k tokens"
     )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="vLLM's, with truncate_prompt_tokens: right keeps the first k"
+    )
     prompt_logprobs: int | None = sampling_field(
         "prompt_logprobs", description="vLLM's: each prompt token's and the top k; not streamed"
+    )
+    logprob_token_ids: list[int] | None = Field(
+        None, description="vLLM's, with logprobs: these tokens' in the place of the top k"
     )
     priority: int = bounded_field(PRIORITY, 0)
     response_format: ResponseFormat | None = Field(
@@ -132,6 +140,14 @@ class OpenAISampling(BaseModel):
     )
     length_penalty: float = Field(
         1.0, description="vLLM's, with use_beam_search: beams rank by logprob / length ** this"
+    )
+    return_token_ids: bool | None = Field(
+        None, description="vLLM's: prompt_token_ids, and each choice's token_ids"
+    )
+    return_tokens_as_token_ids: bool | None = Field(
+        None,
+        description="vLLM's: logprobs show each token as token_id:N (default: the "
+        "server's --return-tokens-as-token-ids)",
     )
     # No effect on the output: accepted and ignored.
     user: str | None = None
@@ -164,6 +180,7 @@ class OpenAISampling(BaseModel):
             "bad_words": self.bad_words,
             "seed": self.seed,
             "logit_bias": self.logit_bias,
+            "logprob_token_ids": self.logprob_token_ids or None,  # [] asks for none (vLLM's)
             "guided_json": self.guided_json,
             "guided_regex": self.guided_regex,
             "guided_choice": self.guided_choice,
@@ -238,7 +255,10 @@ class OpenAISampling(BaseModel):
 class CompletionBody(OpenAISampling):
     """`POST /v1/completions`: a prompt as text or token ids, or a batch of them."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt_embeds: str | list[Any] | None = Field(
+        None, description="vLLM's: refused unless empty (prompts are text or token ids here)"
+    )
     echo: bool = Field(False, description="the prompt's text before the completion's")
     add_special_tokens: bool = Field(True, description="vLLM's: the BOS a text prompt gets")
     logprobs: int | None = sampling_field(
@@ -256,74 +276,4 @@ class CompletionBody(OpenAISampling):
         scored too); the more alternatives of the two."""
         echoed = self.logprobs if self.echo else None
         asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
-        return max(asked) if asked else None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    @property
-    def text(self) -> str:
-        """Its content as text: a list of parts keeps its text parts (any other part is
-        refused, `InvalidRequest`)."""
-        content = self.content
-        if content is None or isinstance(content, str):
-            return content or ""
-        parts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatTemplateOptions(BaseModel):
-    """vLLM's options for rendering a chat (`/v1/chat/completions`, `/tokenize`)."""
-
-    add_generation_prompt: bool = Field(True, description="open the assistant's turn")
-    continue_final_message: bool = Field(
-        False, description="end the prompt inside the final (assistant) message"
-    )
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="more template variables, such as enable_thinking"
-    )
-
-
-class ChatBody(ChatTemplateOptions, OpenAISampling):
-    """`POST /v1/chat/completions`."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    echo: bool = Field(
-        False, description="vLLM's: the answer begins with the last message, the assistant's"
-    )
-    max_completion_tokens: int | None = sampling_field("max_tokens", None)
-    logprobs: bool = False
-    top_logprobs: int | None = sampling_field("logprobs", description="needs logprobs")
-    tools: list[ToolDef] | None = None
-    tool_choice: ToolChoice | None = Field(None, description="auto by default with tools")
-    parallel_tool_calls: bool | None = Field(None, description="false: one call at most")
-
-    @property
-    def logprobs_wanted(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def echoed(self) -> str | None:
-        """What each answer begins with under `echo`: the last message, when it is the
-        assistant's (vLLM's rule: the new message continues it)."""
-        last = self.messages[-1]
-        return last.text if self.echo and last.role == "assistant" else None
-
-    @cached_property
-    def tool_plan(self) -> ToolPlan:
-        """What `tools` and `tool_choice` ask (a 400 naming the field if they disagree)."""
-        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
-
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        params = super().sampling(max_tokens)
-        guide = self.tool_plan.guide()
-        if guide is not None:  # a required or named tool call: its arguments' schema
-            params["guided_json"] = guide
-        return params
+        return max(asked, key=lambda k: math.inf if k == -1 else k) if asked else None  # -1: all

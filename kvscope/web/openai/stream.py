@@ -51,9 +51,14 @@ class StreamSetup:
         reasoning: ReasoningParser,
         *,
         details: bool,
+        force_usage: bool = False,
     ) -> None:
         self.body, self.view, self.fmt, self.reasoning = body, view, fmt, reasoning
         self.details = details
+        #: The usage chunk, and usage on every chunk: as asked, or always under vLLM's
+        #: `--enable-force-include-usage` (`force_usage`).
+        self.include_usage = body.include_usage or force_usage
+        self.continuous_usage = body.continuous_usage or force_usage
         #: The tool plan when the answer may call tools (its text is read for calls).
         self.whole = tools if tools is not None and tools.calls_tools else None
         self.auto = self.whole is not None and self.whole.mode == "auto"
@@ -70,12 +75,16 @@ class ChoiceStream:
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.tokens = 0  # tokens read so far
         self.chars = 0  # characters of text read so far
-        self.offset = len(setup.view.prefix(index))  # where the next token's text starts
+        self.offset = setup.view.first_offset(index)  # where the next token's text starts
         #: An echo scored with `logprobs` waits for the prompt's log-probabilities,
         #: which come with the first token (or the end).
         self.echo_pending = setup.view.scores_echo
         self.finished = False
         self._ended: Completion | None = None
+        #: Under `return_token_ids`: whether the prompt's ids went out, and the ids of
+        #: the delta being read not yet on a chunk (the next chunk made carries them).
+        self._prompt_sent = False
+        self._ids: tuple[int, ...] = ()
         whole = setup.whole
         self.thinking = ReasoningStream(setup.reasoning) if setup.reasoning.splits else None
         held = whole.held_content() if whole is not None and setup.auto else None
@@ -93,7 +102,7 @@ class ChoiceStream:
         view, chat = self.setup.view, self.setup.view.chat
         prefix = view.prefix(self.index)
         if (chat or prefix) and not self.echo_pending:
-            return self._framed(self.setup.fmt.chunk(self.index, prefix, None, role=chat))
+            return self._framed(self._chunk(prefix, role=chat))
         return b""
 
     def on_delta(self, delta: Delta) -> bytes:
@@ -101,6 +110,7 @@ class ChoiceStream:
         pieces: list[Piece] = []
         if self.echo_pending and delta.token_ids:
             pieces.append(self._echo(delta.prompt_logprobs))
+        self._ids = delta.token_ids
         first = not self.tokens
         self.tokens += len(delta.token_ids)
         self.chars += len(delta.text)
@@ -118,6 +128,8 @@ class ChoiceStream:
             pieces.append(self._logprobs_chunk(text, delta.token_ids, delta.logprobs))
         elif text:
             pieces.append(self._text_piece(text, plain=reason is None))
+        if self._ids and self.setup.view.return_token_ids:  # every token goes out on a chunk
+            pieces.append(self._chunk(None if self.setup.view.chat else ""))
         if reason is not None:
             return self._finish(pieces, reason)
         return self._joined(pieces)
@@ -200,8 +212,10 @@ class ChoiceStream:
         more, reason = self._end_pieces(reason)
         pieces += more
         if not pieces or not isinstance(pieces[-1], dict):
+            view = self.setup.view
             plain = self.setup.whole is None and self.thinking is None
-            pieces.append(self._chunk("" if plain or not self.setup.view.chat else None))
+            scores = view.logprobs((), (), self.index, self.offset)  # empty, where asked
+            pieces.append(self._chunk("" if plain or not view.chat else None, logprobs=scores))
         last = pieces[-1]
         assert isinstance(last, dict)
         last["choices"][0]["finish_reason"] = reason
@@ -210,11 +224,17 @@ class ChoiceStream:
     # -- chunks ----------------------------------------------------------------------
 
     def _chunk(self, text: str | None, **extra: Any) -> dict[str, Any]:
+        view = self.setup.view
+        if view.return_token_ids:
+            prompt, ids = view.returned_ids(self.index, self._ids)
+            extra["ids"] = (None if self._prompt_sent else prompt, ids)
+            self._prompt_sent, self._ids = True, ()
         return self.setup.fmt.chunk(self.index, text, None, **extra)
 
     def _text_piece(self, text: str, *, plain: bool) -> Piece:
         """A text delta: the per-token template unless the chunk carries more."""
-        if plain and not self.setup.body.continuous_usage:
+        body = self.setup.body
+        if plain and not self.setup.continuous_usage and not body.return_token_ids:
             return self.setup.fmt.text_chunk(self.index, text)
         return self._chunk(text)
 
@@ -223,7 +243,7 @@ class ChoiceStream:
     ) -> dict[str, Any]:
         view = self.setup.view
         scores = view.logprobs(token_ids, logprobs, self.index, self.offset)
-        self.offset += sum(len(view.token_text(t)) for t in token_ids)
+        self.offset += sum(len(view.shown(t)) for t in token_ids)
         return self._chunk(text, logprobs=scores)
 
     def _echo(self, scored: Sequence[TokenLogprobs | None] | None) -> dict[str, Any]:
@@ -234,7 +254,7 @@ class ChoiceStream:
 
     def _framed(self, chunk: dict[str, Any]) -> bytes:
         """A chunk as its SSE message, with the choice's usage so far where asked."""
-        if self.setup.body.continuous_usage:
+        if self.setup.continuous_usage:
             chunk["usage"] = usage(self.prompt_tokens, self.tokens)
         return encode(chunk)
 
@@ -268,7 +288,7 @@ async def stream_chunks(
                 continue
         if out:
             yield out
-    if setup.body.include_usage:
+    if setup.include_usage:
         counts = usage_of([job.result for job in jobs], n, details=setup.details)
         last += encode(setup.fmt.usage_chunk(counts))
     yield last + DONE

@@ -23,8 +23,8 @@ from ..context import server
 from ..errors import ApiError
 from ..native.schemas import Strict
 from .chat import chat_prompt
+from .chat_schemas import ChatMessage, ChatTemplateOptions
 from .model_names import check_model
-from .schemas import ChatMessage, ChatTemplateOptions
 from .tools import ToolDef, ToolPlan
 
 blueprint = Blueprint("tokens", __name__)

@@ -45,11 +45,11 @@ from ...parsers.reasoning import NONE as NO_REASONING
 from ...parsers.reasoning import ReasoningParser
 from ...sse import StreamBody, sse_response
 from ..chat import chat_prompt, chat_size
+from ..chat_schemas import ChatMessage, ChatTemplateOptions
 from ..completions import read_openai_body
 from ..model_names import adapter_of
 from ..prompts import max_tokens
 from ..run import check_params
-from ..schemas import ChatMessage, ChatTemplateOptions
 from ..tools import ToolPlan
 from .format import ResponseEvents
 from .ids import response_id
@@ -105,7 +105,8 @@ async def create_response() -> Any:
     )
     schema_field = "text" if body.text_format.type != "text" else "tools"
     lora = adapter_of(ctx.engine, body.model)
-    sampling = await check_params(ctx.engine, body.sampling(limit) | {"lora": lora}, schema_field)
+    kwargs = body.sampling(limit) | {"lora": lora}
+    sampling = await check_params(ctx.engine, kwargs, schema_field, {"logprobs": "top_logprobs"})
     sampling |= plan.sampling_overrides()
     job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
     model = lora or ctx.engine.model_name
@@ -117,6 +118,7 @@ async def create_response() -> Any:
         plan,
         tokenizer=ctx.engine.tokenizer,
         reasoning=_reasoning(ctx, body),
+        as_ids=ctx.settings.return_tokens_as_token_ids,
     )
     entry = StoredResponse(view, owner, messages, listed_items(items, view.id), job)
     if body.store:

@@ -143,7 +143,7 @@ class ResponsesBody(BaseModel):
     top_k: int = sampling_field("top_k", description="vLLM's")
     min_p: float = sampling_field("min_p", description="vLLM's; 0 is off")
     repetition_penalty: float = sampling_field("repetition_penalty", description="vLLM's")
-    seed: int | None = sampling_field("seed", description="vLLM's: any 64-bit integer")
+    seed: int | None = sampling_field("seed", description="vLLM's: any signed 64-bit integer")
     ignore_eos: bool = SamplingParams.default("ignore_eos")
     priority: int = bounded_field(PRIORITY, 0)
     stream: bool = False

@@ -57,10 +57,12 @@ class ResponseView:
         *,
         tokenizer: Tokenizer | None = None,  # to show log-probabilities, if asked
         reasoning: ReasoningParser = NO_REASONING,
+        as_ids: bool = False,  # vLLM's --return-tokens-as-token-ids: tokens as token_id:N
     ) -> None:
         self.id = response_id
         self.body = body
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self.reasoning = reasoning
         self.plan = plan or body.tool_plan  # read by the server's parser, as the route gives it
         self.created_at = int(time.time())
@@ -153,7 +155,7 @@ class ResponseView:
         asked)."""
         if logprobs is None or self.tokenizer is None:
             return []
-        return token_entries(self.tokenizer, token_ids, logprobs)
+        return token_entries(self.tokenizer, token_ids, logprobs, as_ids=self.as_ids)
 
     def call_item(self, index: int, name: str, arguments: str, status: str) -> dict[str, Any]:
         item_id, call_id = self.call_ids(index)
