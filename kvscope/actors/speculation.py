@@ -8,12 +8,13 @@ output, at most `num_speculative_tokens` of them. The scheduler gives the row on
 a draft token more; the runner verifies the draft in the same forward (each of the
 row's positions gets its logits) and answers with the draft's prefix that the model
 would have drawn itself, plus the token after it (`kernels/speculative.py`). So a step
-makes 1 to k + 1 tokens of such a row, and its output is the one decoding without
-speculation gives.
+makes 1 to k + 1 tokens of such a row.
 
-A row speculates only where that equality is simple to keep: greedy, with nothing that
-changes the logits or reads them back (penalties, a bias, a guide, logprobs, prompt
-scores, an embedding). Others decode one token a step as before, in the same batch.
+A row speculates only where that is simple to keep: with nothing that changes the
+logits or reads them back (penalties, a bias, a guide, logprobs, prompt scores, an
+embedding). Others decode one token a step as before, in the same batch. A greedy row
+draws the tokens of plain decoding; a sampled one draws from the same distribution by
+rejection sampling (`kernels/speculative.py`).
 With more requests running or waiting than `disable_by_batch_size` nobody speculates.
 """
 
@@ -51,8 +52,7 @@ def may_speculate(seq: Sequence) -> bool:
     params = seq.params
     state = getattr(seq.owner, "sampling", None)
     return (
-        params.greedy
-        and not params.processed
+        not params.processed
         and params.logprobs is None
         and params.prompt_logprobs is None
         and not params.embed

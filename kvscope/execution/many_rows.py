@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kvscope.kernels.sampling import Sampled, TokenLogprobs, token_logprobs
-from kvscope.kernels.speculative import verify_greedy
+from kvscope.kernels.speculative import verify_greedy, verify_sampled
 
 from .step_input import ChunkInput
 
@@ -35,7 +35,12 @@ def verify_drafts(
     out, at = {}, 0
     for index, _ in verified:
         draft = chunks[index].draft
-        accepted, token = verify_greedy(logits[at : at + len(draft) + 1], draft)
+        chunk = chunks[index]
+        rows_of_it = logits[at : at + len(draft) + 1]
+        if chunk.params.greedy:
+            accepted, token = verify_greedy(rows_of_it, draft)
+        else:
+            accepted, token = verify_sampled(rows_of_it, draft, chunk.params, chunk.generator)
         out[index] = Sampled(token, drafted=tuple(accepted))
         at += len(draft) + 1
     return out
