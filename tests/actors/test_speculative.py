@@ -73,11 +73,12 @@ def test_the_config_as_vllm_writes_it() -> None:
 
 
 async def _generate(engine: Any, prompts: list[Any], **params: Any) -> list[tuple[Any, ...]]:
-    """Each prompt's greedy tokens and finish reason, the prompts run at once."""
+    """Each prompt's tokens (greedy unless `params` say) and finish reason, the prompts
+    run at once."""
     results: list[tuple[Any, ...]] = [()] * len(prompts)
 
     async def one(index: int, prompt: Any) -> None:
-        done = await engine.generate(prompt, temperature=0, **params)
+        done = await engine.generate(prompt, **({"temperature": 0} | params))
         results[index] = (list(done.token_ids), done.finish_reason)
 
     async with anyio.create_task_group() as tg:
@@ -138,10 +139,26 @@ async def test_rows_that_may_not_speculate_decode_one_token_a_step(model: str) -
         plain = await engine.generate(PROMPTS[0], temperature=0, max_tokens=24, logprobs=1)
     async with open_engine(model, speculative_config=NGRAM, **STEP) as engine:
         scored = await engine.generate(PROMPTS[0], temperature=0, max_tokens=24, logprobs=1)
-        sampled = await engine.generate(PROMPTS[0], temperature=0.8, seed=3, max_tokens=24)
+        penalized = await engine.generate(
+            PROMPTS[0], temperature=0, max_tokens=24, repetition_penalty=1.1
+        )
         assert engine.stats()["spec_decode_num_drafts"] == 0
     assert scored.token_ids == plain.token_ids
-    assert len(sampled.token_ids) == 24
+    assert len(penalized.token_ids) == 24
+
+
+@pytest.mark.anyio
+async def test_sampled_rows_speculate_and_a_seed_draws_alike(model: str) -> None:
+    """Sampled rows verify drafts by rejection sampling (its distribution is tested in
+    tests/kernels/test_speculative.py); the row's own generator makes every draw, so
+    a seeded request draws the same tokens each time, batched or not."""
+    sampled = {"temperature": 0.7, "top_p": 0.95, "seed": 7, "max_tokens": 40}
+    async with open_engine(model, speculative_config=NGRAM, **STEP) as engine:
+        alone = await _generate(engine, PROMPTS[:1], **sampled)
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        batched = await _generate(engine, PROMPTS, **sampled)
+    assert batched[0] == alone[0]
+    assert len(alone[0][0]) == 40 or alone[0][1] == "stop"
 
 
 @pytest.mark.anyio
