@@ -1,6 +1,7 @@
 """A loaded model: what every checkpoint format's reader returns (`LoadedModel`: the
 decoder, its tokenizer, its config, its chat template and generation defaults), and the
-dtype a model is served in (`resolve_dtype`).
+dtype a model is served in (`resolve_dtype`); a chat rendered with a tokenizer's special
+tokens (`chat_text`, also for clients that hold only the tokenizer: `loader.tokenizer_of`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class LoadedModel:
         """The chat as the model's template renders it, with its special tokens."""
         if self.chat_template is None:
             raise ChatTemplateError(f"model {self.name!r} has no chat template")
-        tokens = special_tokens(getattr(self.tokenizer, "config", {}))
-        return render_chat(
+        return chat_text(
             self.chat_template,
+            self.tokenizer,
             messages,
             add_generation_prompt=add_generation_prompt,
-            **{**tokens, **extra},
+            **extra,
         )
 
     def encode_chat(
@@ -63,6 +64,21 @@ class LoadedModel:
         """The token ids of the rendered chat (its special tokens come from the template)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_text(
+    template: str,
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    **extra: Any,
+) -> str:
+    """The chat as `template` renders it, with `tokenizer`'s special tokens."""
+    tokens = special_tokens(getattr(tokenizer, "config", {}))
+    return render_chat(
+        template, messages, add_generation_prompt=add_generation_prompt, **{**tokens, **extra}
+    )
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:

@@ -16,15 +16,16 @@ from pathlib import Path
 import attrs
 import torch
 
-from .chat import given_chat_template
+from .chat import given_chat_template, read_chat_template
 from .errors import ModelLoadError
-from .generation_defaults import chosen_defaults
+from .generation_defaults import chosen_defaults, read_json
 from .gguf import gguf_path, read_gguf
-from .hf_checkpoint import ARCHITECTURES, load_checkpoint, model_config_from_hf
+from .hf_checkpoint import ARCHITECTURES, load_checkpoint, load_tokenizer, model_config_from_hf
 from .llama import LlamaModel
 from .loaded import LoadedModel, resolve_dtype
 from .lora import read_adapters
 from .tiny_random import TINY_CONFIG, random_weights, tiny_random
+from .tokenizer import ByteTokenizer, Tokenizer
 
 #: What other modules import from here: the loaders' entry points and their types.
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "random_weights",
     "served_as",
     "tiny_random",
+    "tokenizer_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,24 @@ def _load_base(
             "or GGUF file"
         )
     return load_checkpoint(path, device=device, dtype=dtype)
+
+
+def tokenizer_of(name: str) -> tuple[Tokenizer, str | None]:
+    """The tokenizer and chat template of the model `name` (as `load_model` takes it),
+    without reading its weights: for clients that build prompts as token ids (the
+    benchmarks' workloads)."""
+    if name == "tiny-random":
+        return ByteTokenizer(), None
+    path = BUNDLED_DIR if name == "bundled" else Path(name)
+    if (gguf_file := gguf_path(path)) is not None:
+        gguf = read_gguf(gguf_file)
+        return gguf.tokenizer, gguf.chat_template
+    generation_path = path / "generation_config.json"
+    generation = read_json(generation_path) if generation_path.is_file() else {}
+    tokenizer = load_tokenizer(
+        path, model_config_from_hf(read_json(path / "config.json"), generation)
+    )
+    return tokenizer, read_chat_template(path, tokenizer.config)
 
 
 def load_gguf(path: Path, *, device: torch.device, dtype: str | torch.dtype) -> LoadedModel:

@@ -3,7 +3,8 @@
 `histogram(text, name)` returns the cumulative bucket counts of one histogram;
 `window(before, after)` subtracts two scrapes, so a quantile covers only what
 happened between them; `quantile` interpolates inside the bucket as Prometheus'
-`histogram_quantile` does (so its resolution is the bucket's width).
+`histogram_quantile` does (so its resolution is the bucket's width);
+`counter_totals` sums counters (the speculative decoding counts of `bench throughput`).
 """
 
 from __future__ import annotations
@@ -62,3 +63,19 @@ def share_at_most(buckets: dict[float, float], bound: float) -> float | None:
 
 def count(buckets: dict[float, float]) -> int:
     return int(buckets.get(math.inf, 0))
+
+
+def counter_totals(text: str, prefix: str) -> dict[str, float]:
+    """name -> value summed over its label sets, for the counters whose name starts with
+    `prefix` (a `_total` suffix, as prometheus_client writes counters, dropped)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m or not m["name"].startswith(prefix) or m["name"].endswith("_created"):
+            continue
+        name = m["name"].removesuffix("_total")
+        try:
+            totals[name] = totals.get(name, 0.0) + float(m["value"])
+        except ValueError:
+            continue
+    return totals

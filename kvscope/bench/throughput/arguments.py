@@ -2,8 +2,8 @@
 
 Besides the common ones (`core/options.py`): the levels and the requests, which
 systems run (`--peers`) and where their parts come from (`--vllm-python`,
-`--llama-server`, `--peer-model`), and how kvscope serve runs (`--worker`,
-`--serve-dtype`).
+`--llama-server`, `--peer-model`), how kvscope serve runs (`--worker`,
+`--serve-dtype`), the workload (`--workload`) and speculation (`--speculative-config`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvscope.config import SpeculativeConfig
 from kvscope.web.serve import SERVED_WORKER
 
 from ..core.options import DTYPES, add_common_arguments
@@ -39,7 +40,18 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         default=4,
         help="requests per level at least (a level sends max(this, concurrency))",
     )
-    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument(
+        "--workload",
+        default="random",
+        choices=WORKLOADS,
+        help="random: distinct random-token prompts of --prompt-tokens; reuse: chats asking "
+        "to repeat a code snippet of their own (exactly, or with its variables renamed), "
+        "rendered with the model's chat template, each snippet at least --max-tokens "
+        "tokens (--prompt-tokens does not apply; core/reuse_workload.py)",
+    )
+    p.add_argument(
+        "--prompt-tokens", type=int, default=256, help="prompt length (the random workload)"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
         "--temperature",
@@ -69,6 +81,13 @@ def _add_kvscope_arguments(p: argparse.ArgumentParser) -> None:
         default=3,
         help="rounds of kvscope serve (the first --worker) and the engine in-process "
         "taking turns at each level, for the serving path's cost (0 skips)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding, vLLM's JSON as is (docs/speculative.md): given to every "
+        "kvscope run and to vLLM; kvscope serve is also measured without it, its row "
+        "labelled 'no speculation' (kvscope speculates for greedy requests: --temperature 0)",
     )
     p.add_argument(
         "--serve-dtype",
@@ -114,6 +133,9 @@ def serve_dtypes(args: argparse.Namespace, gguf: bool) -> list[str]:
     return list(GGUF_SERVE_DTYPES) if gguf else [args.dtype]
 
 
+#: What `--workload` may name (`core/workload.py`, `core/reuse_workload.py`).
+WORKLOADS = ("random", "reuse")
+
 #: The systems `--peers` may name.
 PEERS = ("kvscope-serve", "vllm", "llama.cpp", "transformers")
 
@@ -128,6 +150,11 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return f"--peers: unknown {', '.join(unknown)}; known: {', '.join(PEERS)} (or none)"
     if args.peer_model is not None and not (args.peer_model / "config.json").is_file():
         return f"--peer-model {args.peer_model}: no config.json there (a Hugging Face directory)"
+    if args.speculative_config is not None:
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as exc:
+            return f"--speculative-config: {exc}"
     if args.serve_dtype and (bad := set(args.serve_dtype.split(",")) - set(DTYPES)):
         return f"--serve-dtype: unknown {', '.join(sorted(bad))}; known: {', '.join(DTYPES)}"
     return None

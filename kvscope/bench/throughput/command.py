@@ -18,11 +18,18 @@ Also: the step loop's overhead, the client's CPU seconds per level, the time
 from spawning `kvscope serve` to its first token, and the load average around each
 phase. Prints tables, writes `--json` and `--plot`. The peers' modules are imported
 only when their phase runs.
+
+The prompts are `--workload`'s: distinct random token ids (`core/workload.py`), or
+chats whose answers repeat their prompt's code (`core/reuse_workload.py`). A
+`--speculative-config` (vLLM's JSON) goes as is to every kvscope run and to vLLM, and
+kvscope serve also runs without it, so its speedup comes from one run; each row, the
+record and the tables name the workload and whether the row speculated.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from functools import partial
@@ -34,12 +41,13 @@ import attrs
 
 from ..core import gguf_model, machine, servers
 from ..core.options import ints
+from ..core.reuse_workload import reuse_prompts
 from ..core.workload import Workload, make_prompts, vocab_size_of
 from .arguments import add_arguments, check_arguments, peers_of, serve_dtypes
 from .engine_run import run_engine
 from .headline import headline
 from .paired import run_paired
-from .records import Config, PairedRun, ServedRun, ThroughputResult
+from .records import Config, PairedRun, ServedRun, ThroughputResult, with_speculation
 from .served import run_served
 from .tables import throughput_tables
 
@@ -55,25 +63,48 @@ def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
     return sampling
 
 
-def build_levels(args: argparse.Namespace, vocab: int) -> list[tuple[int, Workload]]:
+def build_levels(args: argparse.Namespace, model: str) -> list[tuple[int, Workload]]:
+    """Each concurrency's workload: `--workload`'s prompts, max(c, --min-requests) of them."""
     levels = []
+    start = 0  # the reuse workload's snippets are named apart over the whole run
     for c in ints(args.concurrency):
         count = max(c, args.min_requests)
-        prompts = make_prompts(count, args.prompt_tokens, vocab, seed=1000 + c)
+        if args.workload == "reuse":
+            reuse = reuse_prompts(model, count, args.max_tokens, seed=1000 + c, start=start)
+            prompts = [p.token_ids for p in reuse]
+        else:
+            prompts = make_prompts(count, args.prompt_tokens, vocab_size_of(model), seed=1000 + c)
+        start += count
         levels.append((c, Workload(prompts, args.max_tokens, sampling_of(args))))
     return levels
 
 
+def speculations(args: argparse.Namespace) -> list[bool | None]:
+    """How kvscope serve runs: with the speculative config, then without it (the
+    baseline, in the same run); None where no config is given."""
+    return [None] if args.speculative_config is None else [True, False]
+
+
 def _kvscope_server(
-    args: argparse.Namespace, model: str, threads: int, worker: str, dtype: str, phase: str
+    args: argparse.Namespace,
+    model: str,
+    threads: int,
+    worker: str,
+    dtype: str,
+    phase: str,
+    speculative: bool | None = None,
 ) -> servers.Server:
+    extra = ["--max-num-seqs", str(max(ints(args.concurrency)))]
+    if speculative:
+        extra += ["--speculative-config", args.speculative_config]
+    how = {None: "", True: "-spec", False: "-nospec"}[speculative]
     return servers.kvscope_server(
         model,
         threads=threads,
         dtype=dtype,
-        log_path=args.log_dir / f"kvscope-{phase}-{threads}-{worker}-{dtype}.log",
+        log_path=args.log_dir / f"kvscope-{phase}-{threads}-{worker}-{dtype}{how}.log",
         worker=worker,
-        extra=["--max-num-seqs", str(max(ints(args.concurrency)))],
+        extra=extra,
     )
 
 
@@ -85,21 +116,26 @@ def serve_phase(
     worker: str,
     dtype: str,
     weights: str | None,
+    speculative: bool | None = None,
 ) -> ServedRun:
-    server = _kvscope_server(args, model, threads, worker, dtype, phase="serve")
+    server = _kvscope_server(args, model, threads, worker, dtype, "serve", speculative)
     held = f", weights {weights}" if weights else ""
+    how = with_speculation("", speculative)
     print(
-        f"kvscope serve (HTTP), {threads} thread(s), {worker} worker, --dtype {dtype}{held} ...",
+        f"kvscope serve (HTTP), {threads} thread(s), {worker} worker, --dtype {dtype}"
+        f"{held}{how} ...",
         flush=True,
     )
+    run = partial(run_served, speculative=speculative)
     timeout = args.level_timeout
-    run = anyio.run(run_served, server, None, levels, timeout, "kvscope serve", threads)
-    return attrs.evolve(run, worker=worker, dtype=dtype, weights=weights)
+    served = anyio.run(run, server, None, levels, timeout, "kvscope serve", threads)
+    return attrs.evolve(served, worker=worker, dtype=dtype, weights=weights)
 
 
 def paired_phase(args: argparse.Namespace, model: str, levels, threads: int) -> PairedRun:
     worker = args.worker.split(",")[0].strip()  # the headline's
-    server = _kvscope_server(args, model, threads, worker, args.dtype, phase="paired")
+    speculative = None if args.speculative_config is None else True
+    server = _kvscope_server(args, model, threads, worker, args.dtype, "paired", speculative)
     print(
         f"kvscope serve and the engine in-process, interleaved, {threads} thread(s), "
         f"{worker} worker, {args.paired_rounds} rounds ...",
@@ -115,16 +151,22 @@ def paired_phase(args: argparse.Namespace, model: str, levels, threads: int) -> 
         dtype=args.dtype,
         rounds=args.paired_rounds,
         timeout=args.level_timeout,
+        speculative_config=args.speculative_config,
     )
     return anyio.run(run)
 
 
 def config_of(args: argparse.Namespace, model: str, levels, model_weights: str | None) -> Config:
     sampling = levels[0][1].sampling  # what the requests sent, recorded from them
+    lengths = [len(p) for _, w in levels for p in w.prompts]
+    spec = args.speculative_config
     return Config(
         model=model,
         dtype=args.dtype,
-        prompt_tokens=args.prompt_tokens,
+        prompt_tokens=args.prompt_tokens if args.workload == "random" else None,
+        workload=args.workload,
+        prompt_tokens_range=[min(lengths), max(lengths)],
+        speculative_config=None if spec is None else json.loads(spec),
         max_tokens=args.max_tokens,
         concurrency=ints(args.concurrency),
         requests_per_level={str(c): w.num_requests for c, w in levels},
@@ -148,8 +190,9 @@ def peer_dir(args: argparse.Namespace, model: str, model_file: Path | None) -> s
 def kvscope_serve_runs(
     args: argparse.Namespace, model: str, levels, file_weights: str | None
 ) -> list[ServedRun]:
-    """kvscope serve at every thread count, worker and dtype (in that nesting);
-    `file_weights`: how the model's GGUF file holds its weights (None: no GGUF file)."""
+    """kvscope serve at every thread count, worker, dtype and speculation (in that
+    nesting); `file_weights`: how the model's GGUF file holds its weights (None: no
+    GGUF file)."""
     return [
         serve_phase(
             args,
@@ -159,10 +202,12 @@ def kvscope_serve_runs(
             worker.strip(),
             dtype,
             gguf_model.served_weights(file_weights, dtype),
+            speculative,
         )
         for t in ints(args.threads)
         for worker in args.worker.split(",")
         for dtype in serve_dtypes(args, gguf=file_weights is not None)
+        for speculative in speculations(args)
     ]
 
 
@@ -171,16 +216,17 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
     model_file = gguf_model.gguf_file(model)
     file_weights = None if model_file is None else gguf_model.weight_type(model_file)
     peer = peer_dir(args, model, model_file)
-    vocab = vocab_size_of(model)
-    levels = build_levels(args, vocab)
+    levels = build_levels(args, model)
     peers = peers_of(args)
     started, t0 = machine.describe(), time.perf_counter()
     missing: dict[str, str] = {}
     engine_runs = []
     for threads in ints(args.threads):
         print(f"kvscope engine, {threads} thread(s) ...", flush=True)
+        spec = args.speculative_config
         engine = partial(run_engine, model, threads, levels, dtype=args.dtype)
-        engine_runs.append(anyio.run(partial(engine, timeout=args.level_timeout)))
+        engine = partial(engine, speculative_config=spec, timeout=args.level_timeout)
+        engine_runs.append(anyio.run(engine))
     served = []
     if "kvscope-serve" in peers:
         served = kvscope_serve_runs(args, model, levels, file_weights)
@@ -191,7 +237,7 @@ def measure(args: argparse.Namespace, model: str) -> ThroughputResult:
     if "transformers" in peers:
         from .hf_peer import hf_phase
 
-        hf = hf_phase(args, peer, vocab, levels, missing)
+        hf = hf_phase(args, peer, vocab_size_of(model), levels, missing)
     vllm, vllm_version = vllm_runs(args, peer, levels, missing, file_weights, peers)
     llama_cpp, llama_cpp_version = llama_cpp_runs(
         args, model_file, levels, missing, file_weights, peers

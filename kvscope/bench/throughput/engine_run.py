@@ -131,8 +131,10 @@ async def run_engine(
     dtype: str,
     timeout: float,
     warmup_tokens: int = 8,
+    speculative_config: str | None = None,
 ) -> EngineRun:
-    """All concurrency levels on one engine with `threads` torch threads."""
+    """All concurrency levels on one engine with `threads` torch threads (and the
+    speculative config, vLLM's JSON, where given)."""
     max_seqs = max(c for c, _ in levels)
     results = []
     overhead: dict[str, StepOverhead] = {}
@@ -143,6 +145,7 @@ async def run_engine(
         model_threads=threads,
         max_num_seqs=max(max_seqs, 1),
         worker="thread",  # `StepRecorder` times the forward in this process
+        speculative_config=speculative_config,
     ) as engine:
         recorder = StepRecorder(engine)
         warm = levels[0][1].prompts[0]
@@ -161,4 +164,10 @@ async def run_engine(
             )
         stats = engine.stats()
         stats = stats if isinstance(stats, dict) else attrs.asdict(stats)
-    return EngineRun(threads=threads, levels=results, step_overhead=overhead, stats_after=stats)
+    return EngineRun(
+        threads=threads,
+        levels=results,
+        step_overhead=overhead,
+        stats_after=stats,
+        speculative=None if speculative_config is None else True,
+    )

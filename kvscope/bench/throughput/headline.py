@@ -7,7 +7,9 @@ llama.cpp served (tokens/s and TTFT p50, their ratio); and kvscope against
 `transformers` one request at a time at the top concurrency (>= 3x). kvscope's run is
 that of the first `--worker`; where it ran in several dtypes (a GGUF file), each peer is
 compared with the run holding the weights the peer holds (vLLM: bfloat16; llama.cpp:
-the file's own type).
+the file's own type). With a speculative config, kvscope's compared run is the one that
+speculated (each peer's label says whether it did), and its tokens/s over its own run
+without speculation is beside (`x_no_speculation`).
 """
 
 from __future__ import annotations
@@ -74,11 +76,36 @@ def compared_run(
     result: ThroughputResult, threads: int, peer: ServedRun | None
 ) -> ServedRun | None:
     """The kvscope serve run of `threads` that `peer` is compared with: of the first
-    `--worker` given, the one holding the weights `peer` holds, else the first."""
-    runs = [r for r in result.kvscope_serve if r.threads == threads]
+    `--worker` given, the one holding the weights `peer` holds, else the first; with a
+    speculative config, the one that speculated (whether the peer did is its label)."""
+    runs = [r for r in result.kvscope_serve if r.threads == threads and r.speculative is not False]
     first_worker = [r for r in runs if r.worker == runs[0].worker] if runs else []
     weights = None if peer is None else peer.weights
     return next((r for r in first_worker if r.weights == weights), next(iter(first_worker), None))
+
+
+def baseline_run(result: ThroughputResult, ours: ServedRun | None) -> ServedRun | None:
+    """kvscope serve's run as `ours` but without speculation (None without a config)."""
+    if ours is None or not ours.speculative:
+        return None
+    same = (ours.threads, ours.worker, ours.dtype, ours.weights)
+    return next(
+        (
+            r
+            for r in result.kvscope_serve
+            if r.speculative is False and (r.threads, r.worker, r.dtype, r.weights) == same
+        ),
+        None,
+    )
+
+
+def with_baseline(level: LevelHeadline, baseline: Level | None) -> LevelHeadline:
+    """`level` with kvscope serve's tokens/s without speculation beside, and the ratio."""
+    if baseline is None:
+        return level
+    tps = baseline.tokens_per_s
+    x = _ratio(level.kvscope_serve_tokens_per_s, tps)
+    return attrs.evolve(level, no_speculation_tokens_per_s=tps, x_no_speculation=x)
 
 
 def _of(runs: list[ServedRun], threads: int) -> ServedRun | None:
@@ -103,12 +130,18 @@ def threads_headline(result: ThroughputResult, run: EngineRun) -> ThreadsHeadlin
     ours_llama = compared_run(result, run.threads, llama_run) if llama_run else None
     served = [] if ours_vllm is None else ours_vllm.levels
     vllm = [] if vllm_run is None else vllm_run.levels
+    baseline = baseline_run(result, ours_vllm)
+    unsped = [] if baseline is None else baseline.levels
     base = ThreadsHeadline(
         levels={
-            str(c): level_headline(level_of(served, c), level_of(vllm, c), level_of(run.levels, c))
+            str(c): with_baseline(
+                level_headline(level_of(served, c), level_of(vllm, c), level_of(run.levels, c)),
+                level_of(unsped, c),
+            )
             for c in result.config.concurrency
         },
         vllm_compared_with=None if ours_vllm is None else ours_vllm.label,
+        vllm_run=None if vllm_run is None else vllm_run.named("vLLM CPU"),
         llama_cpp_compared_with=None if ours_llama is None else ours_llama.label,
         llama_cpp=llama_cpp_levels(result, ours_llama, llama_run),
     )

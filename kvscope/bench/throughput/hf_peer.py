@@ -18,6 +18,12 @@ from ..core.options import ints
 from ..core.workload import Workload, make_prompts
 from .records import HfBatch, HfOneAtATime, HfRun
 
+#: Why the peer does not run the reuse workload.
+REUSE_SKIPPED = (
+    "it runs the random workload only (the reuse workload's prompts differ in length, "
+    "which a static batch would pad, and its speculation is not kvscope's or vLLM's)"
+)
+
 
 def available() -> str | None:
     """None if the peer can run, else why not."""
@@ -102,7 +108,8 @@ def hf_phase(
     args: argparse.Namespace, model: str | None, vocab: int, levels, missing: dict[str, str]
 ) -> list[HfRun]:
     why = (
-        available()
+        (None if args.workload == "random" else REUSE_SKIPPED)
+        or available()
         or (None if model else f"transformers needs a checkpoint dir, not {args.model}")
         or (None if args.temperature == 0 else "its runs are greedy only (--temperature 0)")
     )

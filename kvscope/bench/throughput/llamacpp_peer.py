@@ -99,7 +99,7 @@ def llama_cpp_phase(
     assert path is not None and model_file is not None
     runs = []
     slots = max(c for c, _ in levels)
-    slot_tokens = args.prompt_tokens + args.max_tokens
+    slot_tokens = max(len(p) for _, w in levels for p in w.prompts) + args.max_tokens
     for threads in ints(args.threads):
         log = args.log_dir / f"llama-server-{threads}.log"
         server = llama_server(
@@ -114,5 +114,7 @@ def llama_cpp_phase(
             missing[f"llama.cpp threads={threads}"] = f"{exc}; log: {server.log_path}"
             print(f"llama.cpp failed: {exc}\n{server.log_tail()}", flush=True)
             continue
-        runs.append(attrs.evolve(run, weights=weights))
+        # Its lookup decoding takes flags of its own: it runs without speculation.
+        speculative = None if args.speculative_config is None else False
+        runs.append(attrs.evolve(run, weights=weights, speculative=speculative))
     return runs, version

@@ -37,6 +37,7 @@ async def run_paired(
     dtype: str,
     rounds: int,
     timeout: float,
+    speculative_config: str | None = None,
 ) -> PairedRun:
     from ..core.http import served_model
 
@@ -50,6 +51,7 @@ async def run_paired(
             model_threads=threads,
             max_num_seqs=max(c for c, _ in levels),
             worker=worker,  # the same as the server's: the two differ by the serving path
+            speculative_config=speculative_config,  # and the server's, if any
         ) as engine,
     ):
         name = await served_model(server.base_url)
@@ -88,7 +90,10 @@ async def run_paired(
                 flush=True,
             )
             out.append(paired)
-    return PairedRun(threads=threads, worker=worker, rounds=rounds, levels=out)
+    speculative = None if speculative_config is None else True
+    return PairedRun(
+        threads=threads, worker=worker, rounds=rounds, levels=out, speculative=speculative
+    )
 
 
 def rotated(workload: Workload, shift: int) -> Workload:

@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.plots import pyplot, save
-from .records import EngineRun, Level, ServedRun, ThroughputResult, level_of
+from .records import EngineRun, Level, ServedRun, ThroughputResult, level_of, with_speculation
 from .tables import served_systems
 
 
 def _series(r: ThroughputResult) -> list[tuple[str, list[float | None]]]:
     conc = r.config.concurrency
     series: list[tuple[str, list[float | None]]] = []
-    runs: list[tuple[str, EngineRun | ServedRun]] = [("kvscope engine", run) for run in r.kvscope]
+    runs: list[tuple[str, EngineRun | ServedRun]] = [
+        (with_speculation("kvscope engine", run.speculative), run) for run in r.kvscope
+    ]
     runs += served_systems(r)
     series += [
         (f"{label}, {run.threads}T", [_tps(run.levels, c) for c in conc]) for label, run in runs

@@ -56,6 +56,8 @@ class EngineRun(Record):
     step_overhead: dict[str, StepOverhead]
     #: `engine.stats()` after the last level.
     stats_after: dict[str, Any]
+    #: As `ServedRun.speculative` (the engine runs with the config where one is given).
+    speculative: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -96,6 +98,12 @@ class ServedRun(Record):
     #: type (`Q4_1`, kvscope under `--dtype auto`, and llama.cpp) or the float type
     #: they were dequantized to (`bfloat16`); None for a checkpoint directory.
     weights: str | None = None
+    #: Whether the server ran with the run's `Config.speculative_config` (True) or
+    #: without it (False); None in a run without one, and in older files.
+    speculative: bool | None = None
+    #: The server's `vllm:spec_decode_*` counters after the levels (kvscope serve and
+    #: vLLM name them alike; the warm-up request included), where it speculated.
+    spec_decode: dict[str, int] | None = None
 
     @property
     def label(self) -> str:
@@ -105,8 +113,16 @@ class ServedRun(Record):
         return self.named(name)
 
     def named(self, system: str) -> str:
-        """`system`, with the weights where they are recorded."""
-        return system if self.weights is None else f"{system}, {self.weights}"
+        """`system`, with the weights and the speculation where they are recorded."""
+        held = system if self.weights is None else f"{system}, {self.weights}"
+        return with_speculation(held, self.speculative)
+
+
+def with_speculation(name: str, speculative: bool | None) -> str:
+    """`name` with whether it speculated, where the run has a speculative config."""
+    if speculative is None:
+        return name
+    return f"{name}, {'speculative' if speculative else 'no speculation'}"
 
 
 #: The serving path may cost this much of the in-process tokens/s (docs/benchmarks/README.md,
@@ -136,6 +152,8 @@ class PairedRun(Record):
     worker: str
     rounds: int
     levels: list[PairedLevel]
+    #: As `ServedRun.speculative` (both sides run with the config where one is given).
+    speculative: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -165,7 +183,9 @@ class HfRun(Record):
 class Config(Record):
     model: str
     dtype: str
-    prompt_tokens: int
+    #: The random workload's prompt length (None for the reuse workload, whose prompts
+    #: are as long as their chats: `prompt_tokens_range`).
+    prompt_tokens: int | None
     max_tokens: int
     concurrency: list[int]
     requests_per_level: dict[str, int]
@@ -178,6 +198,14 @@ class Config(Record):
     #: `model` is a GGUF file; and how that file holds its weights (`Q4_1`).
     peer_model: str | None = None
     model_weights: str | None = None
+    #: `--workload`: random (distinct random-token prompts) or reuse (chats asking to
+    #: repeat a code snippet; `core/reuse_workload.py`); files before it: random.
+    workload: str = "random"
+    #: The shortest and longest prompt, in tokens, over every level.
+    prompt_tokens_range: list[int] | None = None
+    #: `--speculative-config` as given (vLLM's JSON), None without it; which runs had it
+    #: is each run's `speculative`.
+    speculative_config: dict[str, Any] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -192,6 +220,10 @@ class LevelHeadline(Record):
     x_vllm: float | None
     target_vllm_met: bool | None = None
     ttft_no_worse: bool | None = None
+    #: With a speculative config: kvscope serve's same run without it, and the compared
+    #: run's tokens/s over it (issue 50: >= 1.8 at one stream on the reuse workload).
+    no_speculation_tokens_per_s: float | None = None
+    x_no_speculation: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -216,6 +248,8 @@ class ThreadsHeadline(Record):
     #: The kvscope serve row compared with vLLM (in `levels`) and with llama.cpp.
     vllm_compared_with: str | None = None
     llama_cpp_compared_with: str | None = None
+    #: The vLLM run compared (its speculation said where the run has a config).
+    vllm_run: str | None = None
     llama_cpp: dict[str, PeerLevelHeadline] = attrs.field(factory=dict)
 
 

@@ -4,7 +4,8 @@ every level over HTTP, stop it.
 The same for `kvscope serve`, vLLM and llama.cpp's `llama-server` (`Server` starts
 each), so they are warmed up and measured alike: once the server answers, one request
 with a prompt no level uses (its TTFT, added to the time to answering, is the time to a
-first token), then the server's own settling (`Server.settled`), then each level.
+first token), then the server's own settling (`Server.settled`), then each level; a
+server that speculates has its speculative decoding counters read after them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from ..core.workload import Workload
 from .http_level import run_http_level
 from .records import ColdStart, LoadAround, ServedRun
 
+#: The counters read after the levels of a server that speculates (kvscope serve and
+#: vLLM write them under these names).
+SPEC_DECODE_PREFIX = "vllm:spec_decode_num_"
+
 
 async def run_served(
     server: Server,
@@ -23,9 +28,13 @@ async def run_served(
     timeout: float,
     label: str,
     threads: int,
+    *,
+    speculative: bool | None = None,
 ) -> ServedRun:
     """Start `server`, time its cold start to a first token, then run every level;
-    `model` is the name the requests send (None: the one `GET /v1/models` lists)."""
+    `model` is the name the requests send (None: the one `GET /v1/models` lists);
+    `speculative`: whether it runs with the run's speculative config (recorded, and
+    then its spec_decode counters are read after the levels)."""
     from ..core.http import served_model
 
     out = []
@@ -53,6 +62,7 @@ async def run_served(
                 f"ITL p50 {level.itl_ms.p50} ms, client CPU {level.client_cpu_s} s",
                 flush=True,
             )
+        counts = await spec_decode_counts(server.base_url) if speculative else None
     return ServedRun(
         threads=threads,
         levels=out,
@@ -60,4 +70,23 @@ async def run_served(
         settings=server.settings,
         load_average=LoadAround(before=before, after=machine.load_average()),
         processes_left=len(server.left_behind),  # counted once it has stopped
+        speculative=speculative,
+        spec_decode=counts,
     )
+
+
+async def spec_decode_counts(base_url: str) -> dict[str, int] | None:
+    """The server's `vllm:spec_decode_num_*` counters (by position excluded), or None
+    where its `/metrics` has none."""
+    import aiohttp
+
+    from ..core import prometheus
+
+    async with (
+        aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=30)) as client,
+        client.get("/metrics") as response,
+    ):
+        text = await response.text() if response.status == 200 else ""
+    totals = prometheus.counter_totals(text, SPEC_DECODE_PREFIX)
+    counts = {k: round(v) for k, v in totals.items() if not k.endswith("_per_pos")}
+    return counts or None

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from ..core.tables import table
-from .records import SERVED_COST_LIMIT, EngineRun, Level, ServedRun, ThroughputResult, level_of
+from .records import (
+    SERVED_COST_LIMIT,
+    EngineRun,
+    Level,
+    ServedRun,
+    ThroughputResult,
+    level_of,
+    with_speculation,
+)
 
 
 def _tps(levels: list[Level], c: int) -> float | None:
@@ -32,7 +40,7 @@ def tokens_table(r: ThroughputResult) -> list[str]:
         for label, run in served_systems(r, versions=True)
     ]
     for engine in r.kvscope:
-        label = "kvscope (engine API, in-process)"
+        label = with_speculation("kvscope (engine API, in-process)", engine.speculative)
         rows.append([label, engine.threads, *[_tps(engine.levels, c) for c in conc]])
     for hf in r.transformers:
         one = hf.one_at_a_time.tokens_per_s
@@ -55,7 +63,9 @@ def latency_table(r: ThroughputResult) -> list[str]:
     rows = []
     systems: list[tuple[str, ServedRun | EngineRun]]
     systems = [(f"{label} (HTTP)", run) for label, run in served_systems(r)]
-    systems += [("kvscope (engine API)", run) for run in r.kvscope]
+    systems += [
+        (with_speculation("kvscope (engine API)", run.speculative), run) for run in r.kvscope
+    ]
     for label, run in systems:
         for lv in run.levels:
             ttft, itl = lv.ttft_ms, lv.itl_ms
@@ -200,6 +210,42 @@ def llama_cpp_table(r: ThroughputResult) -> list[str]:
     ]
 
 
+def speculation_tables(r: ThroughputResult) -> list[str]:
+    """With a speculative config: kvscope serve with it against without it (and the
+    vLLM run it is compared with), and each speculating server's draft counts."""
+    if r.headline is None or r.config.speculative_config is None:
+        return []
+    rows = [
+        [t, c, h.vllm_compared_with, f.kvscope_serve_tokens_per_s, f.no_speculation_tokens_per_s,
+         f.x_no_speculation, h.vllm_run or "-", f.vllm_tokens_per_s, f.x_vllm]
+        for t, h in r.headline.by_threads.items()
+        for c, f in h.levels.items()
+    ]  # fmt: skip
+    headers = ["threads", "concurrent", "kvscope serve run", "tok/s", "tok/s without"]
+    headers += ["x without", "vLLM run", "vLLM tok/s", "x vLLM"]
+    counts = []
+    for label, run in served_systems(r):
+        spec = run.spec_decode or {}
+        drafted = spec.get("vllm:spec_decode_num_draft_tokens")
+        accepted = spec.get("vllm:spec_decode_num_accepted_tokens")
+        if run.speculative:
+            rate = None if not drafted or accepted is None else round(accepted / drafted, 3)
+            counts.append([label, run.threads, spec.get("vllm:spec_decode_num_drafts"),
+                           drafted, accepted, rate])  # fmt: skip
+    out = ["", f"Speculation: {_spec_json(r)}, kvscope serve with it and without", ""]
+    out.append(table(headers, rows))
+    if counts:
+        headers = ["server", "threads", "drafts", "draft tokens", "accepted", "acceptance"]
+        out += ["", "Drafts over the run (warm-up included)", "", table(headers, counts)]
+    return out
+
+
+def _spec_json(r: ThroughputResult) -> str:
+    import json
+
+    return json.dumps(r.config.speculative_config)
+
+
 def _model_line(r: ThroughputResult) -> list[str]:
     config = r.config
     if config.model_weights is None:
@@ -211,14 +257,28 @@ def _model_line(r: ThroughputResult) -> list[str]:
 def _sampling_line(r: ThroughputResult) -> str:
     config = r.config
     if config.temperature == 0:
-        return "Requests: greedy, ignore_eos"
-    top_p = f", top_p {config.top_p:g}" if config.top_p < 1 else ""
-    return f"Requests: sampled at temperature {config.temperature:g}{top_p}, ignore_eos"
+        line = "Requests: greedy, ignore_eos"
+    else:
+        top_p = f", top_p {config.top_p:g}" if config.top_p < 1 else ""
+        line = f"Requests: sampled at temperature {config.temperature:g}{top_p}, ignore_eos"
+    return line + _workload_words(r)
+
+
+def _workload_words(r: ThroughputResult) -> str:
+    """The workload and the speculation, so no figure is read without them."""
+    config = r.config
+    if config.workload == "reuse":
+        lengths = "-".join(map(str, config.prompt_tokens_range or []))
+        words = f"; workload reuse (repeat a code snippet; prompts of {lengths or '?'} tokens)"
+    else:
+        words = f"; workload random ({config.prompt_tokens} prompt tokens)"
+    spec = config.speculative_config
+    return words + ("; no speculation" if spec is None else f"; speculative config {_spec_json(r)}")
 
 
 def throughput_tables(r: ThroughputResult) -> str:
     out = [r.machine.summary(), *_model_line(r), _sampling_line(r), ""]
     out += tokens_table(r) + latency_table(r) + servers_table(r) + overhead_table(r)
-    out += paired_table(r) + headline_tables(r) + llama_cpp_table(r)
+    out += paired_table(r) + headline_tables(r) + speculation_tables(r) + llama_cpp_table(r)
     out += [f"\nPEER MISSING: {peer}: {why}" for peer, why in r.missing.items()]
     return "\n".join(out)

@@ -2,7 +2,10 @@
 and its phase (every thread count, served and measured as `served.py` does).
 
 vLLM serves a Hugging Face directory: the model, or `--peer-model` where the model is
-a GGUF file (the same weights, written by `kvscope bench convert`). Imported only when
+a GGUF file (the same weights, written by `kvscope bench convert`). With a
+`--speculative-config`, vLLM takes it as is (its flag of the same name; 0.32's CPU
+build serves n-gram drafts); where it refuses it or fails with it, it is measured
+without it, the row labelled so and the refusal in the run's `missing`. Imported only when
 `bench throughput` runs with the vLLM peer, so nothing else in kvscope (the installed
 package, the other benchmark) ever reaches a vLLM launcher.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -68,6 +72,7 @@ def vllm_server(
     threads: int,
     log_path: Path,
     kv_space_gib: int = VLLM_KV_SPACE_GIB,
+    speculative_config: str | None = None,
 ) -> Server:
     port = free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
@@ -92,6 +97,8 @@ def vllm_server(
         "--served-model-name",
         "reference",
     ]
+    if speculative_config is not None:  # vLLM's flag, the same JSON
+        argv += ["--speculative-config", speculative_config]
     return Server(
         argv, ready_path="/v1/models", port=port, log_path=log_path, env=env, start_timeout=600
     )
@@ -123,16 +130,49 @@ def vllm_phase(
         return [], None
     runs = []
     for threads in ints(args.threads):
-        log = args.log_dir / f"vllm-{threads}.log"
-        server = vllm_server(python, model_dir, threads=threads, log_path=log)
-        print(f"vLLM CPU, {threads} thread(s) (starting takes about a minute) ...", flush=True)
-        try:
-            run = anyio.run(
-                run_served, server, "reference", levels, args.level_timeout, "vLLM", threads
-            )
-        except (RuntimeError, TimeoutError) as exc:
-            missing[f"vllm threads={threads}"] = f"{exc}; log: {server.log_path}"
-            print(f"vLLM failed: {exc}\n{server.log_tail()}", flush=True)
-            continue
-        runs.append(attrs.evolve(run, dtype=VLLM_DTYPE, weights=weights))
+        run = _served(args, python, model_dir, levels, threads, missing, args.speculative_config)
+        if run is None and args.speculative_config is not None:
+            # Refused with it (or failed): measured without it, the row says so.
+            run = _served(args, python, model_dir, levels, threads, missing, None)
+        if run is not None:
+            runs.append(attrs.evolve(run, dtype=VLLM_DTYPE, weights=weights))
     return runs, vllm_version(python)
+
+
+def _served(
+    args: argparse.Namespace,
+    python: str,
+    model_dir: str,
+    levels: list[tuple[int, Workload]],
+    threads: int,
+    missing: dict[str, str],
+    speculative_config: str | None,
+) -> ServedRun | None:
+    """vLLM served at `threads`, with `speculative_config` where given (the row then
+    says whether it ran with the run's config); None, with why in `missing`, where it
+    failed."""
+    with_spec = speculative_config is not None
+    speculative = None if args.speculative_config is None else with_spec
+    name = f"vllm-{threads}" + ("-spec" if with_spec else "")
+    log = args.log_dir / f"{name}.log"
+    server = vllm_server(
+        python, model_dir, threads=threads, log_path=log, speculative_config=speculative_config
+    )
+    how = " with --speculative-config" if with_spec else ""
+    print(f"vLLM CPU, {threads} thread(s){how} (starting takes about a minute) ...", flush=True)
+    run = partial(run_served, speculative=speculative)
+    try:
+        return anyio.run(run, server, "reference", levels, args.level_timeout, "vLLM", threads)
+    except (RuntimeError, TimeoutError) as exc:
+        key = f"vllm threads={threads}" + (" --speculative-config" if with_spec else "")
+        refused = f" (vLLM refused or failed with it: measured without it; {_last_error(server)})"
+        missing[key] = f"{exc}; log: {server.log_path}" + (refused if with_spec else "")
+        print(f"vLLM failed: {exc}\n{server.log_tail()}", flush=True)
+        return None
+
+
+def _last_error(server: Server) -> str:
+    """The log's last line naming an error (vLLM's refusal of a config), or its last."""
+    lines = [line for line in server.log_tail(60).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no log"])[-1].strip()[:300]
