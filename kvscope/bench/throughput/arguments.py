@@ -87,7 +87,7 @@ def _add_kvscope_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative decoding, vLLM's JSON as is (docs/speculative.md): given to every "
         "kvscope run and to vLLM; kvscope serve is also measured without it, its row "
-        "labelled 'no speculation' (kvscope speculates for greedy requests: --temperature 0)",
+        "labelled 'no speculation' (greedy and sampled requests speculate alike)",
     )
     p.add_argument(
         "--serve-dtype",
