@@ -11,15 +11,15 @@ token after them is the argmax at the first position that disagrees (or, all acc
 at the last). The output is the one greedy decoding gives one token at a time
 (`argmax` as `sampling.sample` takes it: the first of equal maxima).
 
-Sampled rows, by rejection sampling, which keeps each token's distribution exactly the
-model's (Leviathan et al., "Fast Inference from Transformers via Speculative
-Decoding", 2023). An n-gram draft proposes one token for sure (q(d) = 1), so draft token
-d at position i is accepted with probability p_i(d), p_i the row's distribution there
-(temperature, min-p, top-k, top-p: `sampling.distribution`); where it is rejected, the
-token is drawn from p_i without d (renormalized), and the draft ends. All accepted, the
-token after them is drawn from the last position's p. Every uniform number comes from
-the row's own generator, so a seeded request draws the same tokens each time; not the
-ones it draws without speculation, which takes fewer numbers from it.
+Sampled rows draw each position's token as decoding draws it (`sampling.distribution`:
+temperature, min-p, top-k, top-p; one uniform number from the row's generator, by
+`inverse_cdf`) and take the draft's token where the draw equals it: the first draw that
+differs is the token after the accepted ones, and the draft ends there. Each token is
+then drawn from exactly the model's distribution (a draft token is taken with
+probability p(d), and a token that is not it comes from p without d, renormalized: the
+rejection-sampling rule for a draft that proposes one token for sure, Leviathan et al.
+2023), and a seeded request draws the same numbers, one a token, and so the same
+tokens as without speculation.
 """
 
 from __future__ import annotations
@@ -53,19 +53,15 @@ def verify_sampled(
     """`verify_greedy` for a row that samples with `params` (see the module)."""
     assert logits.shape[0] == len(draft) + 1, "one position per draft token, and one more"
     probs, x = distribution(logits, [params] * logits.shape[0])
-    if not bool(torch.isfinite(probs.sum()).item()):  # overflowed logits: as `sample` does
-        return verify_greedy(x, draft)
+    finite = torch.isfinite(probs.sum(dim=-1)).tolist()
     accepted: list[int] = []
-    for position, token in enumerate(draft):
-        row = probs[position]
-        if float(uniform(generator, logits.device)) < float(row[token]):
-            accepted.append(token)
-            continue
-        rest = row.clone()
-        rest[token] = 0.0  # p without the rejected token: (p - q)+ for q one-hot at it
-        return accepted, _draw_one(rest, generator)
-    return accepted, _draw_one(probs[len(draft)], generator)
-
-
-def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return inverse_cdf(probs[None, :], uniform(generator, probs.device)[None])[0]
+    for position in range(logits.shape[0]):
+        u = uniform(generator, logits.device)  # one a token, as `sampling.sample` draws
+        if finite[position]:
+            token = inverse_cdf(probs[position : position + 1], u[None])[0]
+        else:  # overflowed logits: the most likely token, as `sample` takes it
+            token = int(x[position].argmax())
+        if position == len(draft) or token != draft[position]:
+            return accepted, token
+        accepted.append(token)
+    raise AssertionError("unreachable: the last position returns")

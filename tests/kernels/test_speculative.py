@@ -1,7 +1,7 @@
 """Verifying drafts (`kernels/speculative.py`): greedy rows take the draft's prefix that
 matches the argmaxes; sampled rows keep the model's distribution exactly, checked by a
-chi-square test on many seeded draws (a rule that skews it, such as drawing from p
-instead of p without the rejected token, fails it by far)."""
+chi-square test on many seeded draws, and draw what `sample` draws from the same
+generator, a token at a time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvscope.kernels.sampling import distribution
+from kvscope.kernels.sampling import distribution, sample
 from kvscope.kernels.speculative import verify_greedy, verify_sampled
 from kvscope.params import SamplingParams
 
@@ -78,3 +78,15 @@ def test_a_seeded_row_draws_the_same_each_time() -> None:
         for generator in (torch.Generator().manual_seed(5), torch.Generator().manual_seed(5))
     ]
     assert runs[0] == runs[1]
+
+
+def test_a_sampled_row_draws_as_sample_does_a_token_at_a_time() -> None:
+    logits = _logits([0.5, 1.2, 0.0, 0.9, 0.3], [1.0, 0.2, 0.6, 0.0, 0.4], [0.0] * 5)
+    params = SamplingParams(temperature=0.9, top_k=4)
+    for seed in range(40):
+        accepted, token = verify_sampled(
+            logits, [1, 2], params, torch.Generator().manual_seed(seed)
+        )
+        plain = torch.Generator().manual_seed(seed)
+        made = [sample(logits[i : i + 1], [params], [plain])[0].token for i in range(3)]
+        assert [*accepted, token] == made[: len(accepted) + 1]
