@@ -8,11 +8,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pydantic
 import pytest
 
 from kvscope.bench.core import prometheus
 from kvscope.web.native.schemas import Stats
+from kvscope.web.ops.stats_log import Totals, stats_line
 from kvscope.web.ops.vllm_names import VLLM_NAMES
 
 from .conftest import LONG, Live, running_server, wait_clean, wait_for, wait_status, wait_tokens
@@ -232,3 +234,12 @@ def test_the_periodic_stats_line(
             ended = r"running 0, waiting 0, ended 1 \(1 cancelled\), KV cache 0.0% in use"
             wait_for(lambda: line(ended), what="the line after the cancel")
         wait_clean(live)
+
+
+def test_the_stats_line_gives_the_draft_acceptance_where_drafts_were_verified() -> None:
+    stats = {"running": 1, "waiting": 0, "kv_blocks_in_use": 4, "kv_blocks_total": 16}
+    before = Totals(0.0, 100, 0, 10, 0, 0, drafted=40, accepted=10)
+    now = Totals(2.0, 100, 0, 50, 0, 0, drafted=80, accepted=40)
+    line = stats_line(before, now, stats)
+    assert line.endswith("draft acceptance 75.0% (30 of 40 tokens)"), line
+    assert "draft" not in stats_line(before, attrs.evolve(now, drafted=40, accepted=10), stats)

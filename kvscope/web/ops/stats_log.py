@@ -3,8 +3,9 @@ turns it off).
 
 Every `interval` seconds while there is work: prompt and generation throughput over
 the interval, requests running and waiting, requests ended (and how many of them were
-cancelled), the KV cache in use and the prefix cache's hit rate over the interval. An
-idle server writes one line when it becomes idle, then none until work comes.
+cancelled), the KV cache in use and the prefix cache's hit rate over the interval, and,
+where drafts were verified, speculative decoding's acceptance over it. An idle server
+writes one line when it becomes idle, then none until work comes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class Totals:
     generated: int
     ended: int
     cancelled: int
+    drafted: int = 0
+    accepted: int = 0
 
     @classmethod
     def of(cls, engine: Engine, stats: dict[str, int]) -> Totals:
@@ -40,6 +43,8 @@ class Totals:
             engine.step_statistics().tokens_generated,
             stats["finished"] + stats["cancelled"] + stats["failed"],
             stats["cancelled"],
+            stats["spec_decode_num_draft_tokens"],
+            stats["spec_decode_num_accepted_tokens"],
         )
 
 
@@ -49,12 +54,18 @@ def stats_line(before: Totals, now: Totals, stats: dict[str, int]) -> str:
     hits = now.cached_tokens - before.cached_tokens
     hit_rate = f"{100 * hits / queried:.1f}%" if queried else "-"
     in_use = 100 * stats["kv_blocks_in_use"] / max(1, stats["kv_blocks_total"])
+    drafted, accepted = now.drafted - before.drafted, now.accepted - before.accepted
+    speculation = (
+        f", draft acceptance {100 * accepted / drafted:.1f}% ({accepted} of {drafted} tokens)"
+        if drafted
+        else ""
+    )
     return (
         f"prompt throughput {queried / seconds:.1f} tokens/s, "
         f"generation throughput {(now.generated - before.generated) / seconds:.1f} tokens/s, "
         f"running {stats['running']}, waiting {stats['waiting']}, "
         f"ended {now.ended - before.ended} ({now.cancelled - before.cancelled} cancelled), "
-        f"KV cache {in_use:.1f}% in use, prefix cache hit rate {hit_rate}"
+        f"KV cache {in_use:.1f}% in use, prefix cache hit rate {hit_rate}{speculation}"
     )
 
 
