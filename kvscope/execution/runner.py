@@ -247,22 +247,26 @@ class ModelRunner:
         return lora_rows(adapters, rows, self.device)
 
     def metadata(self, chunks: list[ChunkInput], live: list[int]) -> AttentionMetadata:
-        # A chunk that verifies a draft attends as decode rows, one a position, each
-        # over the cache up to itself: the kernels and roundings of decoding the tokens
-        # one at a time, so that greedy speculation draws what decoding draws.
-        rows = [
-            (start, 1, chunk.block_table)
-            if chunk.draft
-            else (chunk.start, len(chunk.token_ids), chunk.block_table)
-            for chunk in (chunks[i] for i in live)
-            for start in (
-                range(chunk.start, chunk.start + len(chunk.token_ids)) if chunk.draft else [0]
-            )
-        ]
+        starts: list[int] = []
+        lengths: list[int] = []
+        tables: list[list[int]] = []
+        for chunk in (chunks[i] for i in live):
+            if chunk.draft:
+                # A chunk that verifies a draft attends as decode rows, one a position,
+                # each over the cache up to itself: the kernels and roundings of decoding
+                # the tokens one at a time, so speculation draws what decoding draws.
+                count = len(chunk.token_ids)
+                starts += range(chunk.start, chunk.start + count)
+                lengths += [1] * count
+                tables += [chunk.block_table] * count
+            else:
+                starts.append(chunk.start)
+                lengths.append(len(chunk.token_ids))
+                tables.append(chunk.block_table)
         return build_metadata(
-            starts=[start for start, _, _ in rows],
-            lengths=[length for _, length, _ in rows],
-            block_tables=[table for _, _, table in rows],
+            starts=starts,
+            lengths=lengths,
+            block_tables=tables,
             block_size=self.kv_cache.block_size,
             device=self.device,
         )
