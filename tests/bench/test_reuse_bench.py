@@ -137,3 +137,10 @@ def test_vllm_refusing_the_config_is_measured_without_it(tmp_path: Path) -> None
     assert "measured without it" in why and "not supported here" in why
     head = r["headline"]["by_threads"]["1"]
     assert head["vllm_run"] == "vLLM CPU, no speculation"
+
+
+def test_vllm_is_given_the_config_without_the_keys_it_refuses() -> None:
+    from kvscope.bench.throughput.vllm_peer import for_vllm
+
+    given = '{"method": "ngram", "num_speculative_tokens": 5, "disable_by_batch_size": 8}'
+    assert json.loads(for_vllm(given)) == {"method": "ngram", "num_speculative_tokens": 5}
