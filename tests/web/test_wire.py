@@ -69,6 +69,18 @@ def request(method: str, path: str, *headers: str, body: bytes = b"") -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
+def test_the_installed_hypercorn_is_one_the_wire_patch_was_written_against() -> None:
+    # A new hypercorn fails here: read `H11Protocol.handle` and the fields in
+    # `wire.PROTOCOL_FIELDS` against it, then add its minor release to WRITTEN_AGAINST.
+    from importlib import metadata
+
+    installed = metadata.version("hypercorn")
+    assert wire.written_against(installed), (installed, wire.WRITTEN_AGAINST)
+    assert wire.install()
+    assert not wire.written_against("0.19.0")
+    assert not wire.written_against("1.17.0")
+
+
 def test_parse_head_takes_one_plain_bodiless_head_only() -> None:
     plain = request("DELETE", "/requests/req-1", "user-agent: raw", "content-length: 0")
     assert wire.parse_head(plain) == (

@@ -32,9 +32,11 @@ rest is done as hypercorn does it: the idle timer stopped and restarted
 (`Updated`), the request counted for `keep_alive_max_requests` and `max_requests`, the
 access log, and the connection closed after an answer that says `connection: close`
 (a refusal) or the last request hypercorn allows on it. Where hypercorn's protocol is
-not the one this was written against (0.17-0.18), hypercorn keeps the connection:
-`install` logs and leaves hypercorn alone where it cannot import the protocol, and a
-connection whose protocol lacks a field this reads (`PROTOCOL_FIELDS`) is left to it.
+not the one this was written against (`WRITTEN_AGAINST`), hypercorn keeps the
+connection: `install` logs and leaves hypercorn alone where its version is another or it
+cannot import the protocol, and a connection whose protocol lacks a field this reads
+(`PROTOCOL_FIELDS`) is left to it. tests/web/test_wire.py pins the installed version to
+`WRITTEN_AGAINST`, so a new hypercorn fails there until the patch is read against it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import re
 import threading
 import time
 import weakref
+from importlib import metadata
 from typing import Any
 from urllib.parse import unquote
 
@@ -76,6 +79,9 @@ PROTOCOL_FIELDS = (
     "ssl",
 )
 
+#: hypercorn's minor releases whose `H11Protocol` this was written and tested against.
+WRITTEN_AGAINST = ("0.17", "0.18")
+
 _taken: weakref.WeakSet[Any] = weakref.WeakSet()
 _installed = False
 _install_lock = threading.Lock()  # servers in two threads (tests, embedding) start at once
@@ -93,6 +99,14 @@ def install() -> bool:
     with _install_lock:
         if _installed:
             return True
+        version = metadata.version("hypercorn")
+        if not written_against(version):
+            log.warning(
+                "fast path off the wire not installed: hypercorn %s is not one of %s",
+                version,
+                ", ".join(WRITTEN_AGAINST),
+            )
+            return False
         try:
             from hypercorn.events import Closed, RawData, Updated
             from hypercorn.protocol.h11 import H11Protocol
@@ -102,6 +116,11 @@ def install() -> bool:
         _wrap(H11Protocol, RawData, Updated, Closed)
         _installed = True
         return True
+
+
+def written_against(version: str) -> bool:
+    """Whether hypercorn `version` ("0.18.0") is a release this was written against."""
+    return ".".join(version.split(".")[:2]) in WRITTEN_AGAINST
 
 
 def _wrap(protocol_class: Any, raw_data: Any, updated: Any, closed: Any) -> None:
