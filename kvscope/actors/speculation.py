@@ -25,6 +25,11 @@ from kvscope.config import SpeculativeConfig
 
 from .sequence import Sequence
 
+#: N-gram ends a row's index takes in a step: a long prompt (~1 ms per 1,000 tokens to
+#: index) is taken over several steps, which decode without a draft meanwhile, rather
+#: than stalling the event loop, and every cancel behind it, in one.
+INDEXED_PER_STEP = 4096
+
 
 class NgramIndex:
     """Where each n-gram of a row's tokens (n from `min_n` to `max_n`) last occurred
@@ -37,17 +42,21 @@ class NgramIndex:
         self._follows: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after
         self._indexed = 0  # n-grams ending before this index are in `_follows`
 
-    def propose(self, tokens: Seq[int], k: int) -> list[int]:
+    def propose(self, tokens: Seq[int], k: int, budget: int | None = INDEXED_PER_STEP) -> list[int]:
         """The up to `k` tokens that followed the latest earlier occurrence of `tokens`'
-        last n tokens, for the longest n that occurs; [] if none does."""
+        last n tokens, for the longest n that occurs; [] if none does, or while the
+        index is still behind after taking `budget` more n-gram ends (None: all)."""
         length = len(tokens)
         if length < self._indexed:  # the row was cut (nothing does so today): start over
             self._follows.clear()
             self._indexed = 0
-        for end in range(self._indexed, length - 1):  # each n-gram ending at `end`
+        stop = length - 1 if budget is None else min(length - 1, self._indexed + budget)
+        for end in range(self._indexed, stop):  # each n-gram ending at `end`
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 self._follows[tuple(tokens[end - n + 1 : end + 1])] = end + 1
-        self._indexed = max(self._indexed, length - 1)
+        self._indexed = max(self._indexed, stop)
+        if self._indexed < length - 1:
+            return []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             follows = self._follows.get(tuple(tokens[length - n :]))
             if follows is not None:
@@ -56,8 +65,8 @@ class NgramIndex:
 
 
 def propose_ngram(tokens: Seq[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """`NgramIndex.propose` on `tokens` alone."""
-    return NgramIndex(min_n, max_n).propose(tokens, k)
+    """`NgramIndex.propose` on `tokens` alone, indexed whole."""
+    return NgramIndex(min_n, max_n).propose(tokens, k, budget=None)
 
 
 def may_speculate(seq: Sequence) -> bool:

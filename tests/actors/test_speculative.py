@@ -11,13 +11,14 @@ not depend on what shares its steps, speculative rows included."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from kvscope.actors.speculation import propose_ngram
+from kvscope.actors.speculation import INDEXED_PER_STEP, NgramIndex, propose_ngram
 from kvscope.config import EngineConfig, SpeculativeConfig
 from kvscope.kernels.quantized import DOT_ROWS
 
@@ -49,6 +50,16 @@ PROMPTS = [
 )
 def test_ngram_proposals(tokens: list[int], k: int, expected: list[int]) -> None:
     assert propose_ngram(tokens, k, 1, 3) == expected
+
+
+def test_a_long_row_is_indexed_over_several_steps_then_proposes_as_a_scan_would() -> None:
+    rng = random.Random(5)
+    row = [rng.randrange(50) for _ in range(int(2.5 * INDEXED_PER_STEP))]
+    index = NgramIndex(1, 3)
+    # Behind after one and two steps' share of the row: no draft, the row decodes as is.
+    assert index.propose(row, 4) == [] and index.propose(row, 4) == []
+    for grown in (row, row + [7], row + [7, 3]):  # caught up, then a token a step
+        assert index.propose(grown, 4) == propose_ngram(grown, 4, 1, 3) != []
 
 
 def test_the_config_as_vllm_writes_it() -> None:
