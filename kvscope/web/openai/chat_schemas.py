@@ -23,6 +23,10 @@ def _boolean(value: bool | str) -> bool:
     return value is True or value == "true"
 
 
+#: Where a decode stage's forwarded prompt ids come (vLLM's name, in its 400s).
+FORWARDED_IDS = "kv_transfer_params.prompt_token_ids"
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     #: OpenAI's (system, user, assistant, tool, developer) or any other: the chat
@@ -74,6 +78,11 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = Field(None, description="auto by default with tools")
     parallel_tool_calls: bool | None = Field(None, description="false: one call at most")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's disaggregated serving: its prompt_token_ids (a prefill "
+        "stage's) are the prompt, the messages not rendered",
+    )
 
     @property
     def logprobs_wanted(self) -> int | None:
@@ -85,6 +94,31 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
         message, when it is the assistant's (vLLM's rule: the new message continues it)."""
         echoed = _echoed(self.messages) if self.echo else None
         return [echoed] if echoed is not None else None
+
+    def forwarded_prompt(self, vocab_size: int) -> list[int] | None:
+        """The prompt ids a prefill stage forwarded in `kv_transfer_params` (vLLM's
+        decode-side reuse), used verbatim (None: render the messages, as under `echo`,
+        which needs them); ids that are not a non-empty list of the vocabulary's are a
+        400 naming `kv_transfer_params.prompt_token_ids`."""
+        ids = (self.kv_transfer_params or {}).get("prompt_token_ids")
+        if ids is None or self.echo:
+            return None
+        # bool is an int subclass: hence the exact type.
+        if not isinstance(ids, list) or not ids or any(type(i) is not int for i in ids):
+            raise ApiError(
+                400,
+                "kv_transfer_params' prompt_token_ids must be a non-empty list of token ids",
+                param=FORWARDED_IDS,
+            )
+        bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                400,
+                f"token id {bad} in kv_transfer_params' prompt_token_ids is outside the "
+                f"vocabulary (0 to {vocab_size - 1})",
+                param=FORWARDED_IDS,
+            )
+        return ids
 
     @cached_property
     def tool_plan(self) -> ToolPlan:
@@ -137,6 +171,8 @@ class BatchChatBody(ChatBody):
             "tools": "Batch chat completions take no tools",
             "tool_choice": "Batch chat completions take no tools: tool_choice may only be none",
             "prompt_logprobs": "Batch chat completions do not score the prompts",
+            "kv_transfer_params": "Batch chat completions take no forwarded prompt: "
+            "each conversation is its own prompt",
         }
         given = {
             "use_beam_search": self.use_beam_search,
@@ -145,6 +181,7 @@ class BatchChatBody(ChatBody):
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none"),
             "prompt_logprobs": self.prompt_logprobs is not None,
+            "kv_transfer_params": bool(self.kv_transfer_params),
         }
         for name, message in refused.items():
             if given[name]:

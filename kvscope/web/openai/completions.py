@@ -150,7 +150,9 @@ async def _chat_plan(ctx: ServerContext, body: ChatBody) -> tuple[Plan, ToolPlan
         # A stream's choice that may call a tool sends its text as content up to a call
         # or as arguments, and the calls at its end; no log-probabilities beside them.
         raise ApiError(400, "logprobs with tools is not streamed", param="logprobs")
-    prompt = await chat_prompt(ctx.engine, body.messages, body, tools=tools.template_tools())
+    prompt = body.forwarded_prompt(ctx.engine.loaded.config.vocab_size)
+    if prompt is None:
+        prompt = await chat_prompt(ctx.engine, body.messages, body, tools=tools.template_tools())
     ids = truncated(prompt, body)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
