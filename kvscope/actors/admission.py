@@ -82,22 +82,22 @@ class Admission:
         in a thread (up to the compile deadline of `kernels/guide_limits.py`): the event
         loop goes on meanwhile; a compiled one comes from the compiler's cache."""
         params = self.sampling_params(spec)
-        if params.guided:
-            try:
-                await anyio.to_thread.run_sync(self.guides.check, params)
-            except ValueError as exc:
-                raise InvalidRequest(str(exc)) from None
+        if params.guided:  # InvalidRequest about the guide's field if it cannot compile
+            await anyio.to_thread.run_sync(self.guides.check, params)
         return params, await self.encode(spec.prompt)
 
     async def encode_text(
-        self, text: str, *, add_special_tokens: bool = True, what: str = "the prompt"
+        self, text: str, *, add_special_tokens: bool = True, field: str = "prompt"
     ) -> list[int]:
-        """Tokenize a client's text: valid Unicode and at most `max_prompt_bytes`
-        (checked before tokenizing), and off the event loop when it is big."""
-        size = utf8_size(text, what)
+        """Tokenize a client's text, which the request's `field` holds: valid Unicode and
+        at most `max_prompt_bytes` (checked before tokenizing), and off the event loop
+        when it is big."""
+        what = f"the {field}"
+        size = utf8_size(text, what, field=field)
         if size > self.max_prompt_bytes:
             raise InvalidRequest(
-                f"{what} has {size} bytes; the limit (max_prompt_bytes) is {self.max_prompt_bytes}"
+                f"{what} has {size} bytes; the limit (max_prompt_bytes) is {self.max_prompt_bytes}",
+                field=field,
             )
         encode = functools.partial(self.tokenizer.encode, text, add_special_tokens)
         return await self.run_off_loop(size, encode)
@@ -110,28 +110,34 @@ class Admission:
         return await anyio.to_thread.run_sync(work, limiter=self._tokenize_limiter)
 
     async def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids; an `InvalidRequest` about the `prompt` if it has none,
+        holds more than the context, or names a token outside the vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequest("the prompt is empty")
+                raise InvalidRequest("the prompt is empty", field="prompt")
             return await self.encode_text(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
-                raise InvalidRequest("the prompt is empty")
+                raise InvalidRequest("the prompt is empty", field="prompt")
             if len(prompt) > self.max_model_len:
                 raise InvalidRequest(
-                    f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}"
+                    f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}",
+                    field="prompt",
                 )
             vocab = self.loaded.config.vocab_size
             for token in prompt:
                 if isinstance(token, bool) or not isinstance(token, int):
-                    raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+                    raise InvalidRequest(
+                        f"prompt token ids must be integers in [0, {vocab})", field="prompt"
+                    )
                 if not 0 <= token < vocab:  # vLLM's words first
                     raise InvalidRequest(
                         f"Token id {token} is out of vocabulary: prompt token ids must be "
-                        f"integers in [0, {vocab})"
+                        f"integers in [0, {vocab})",
+                        field="prompt",
                     )
             return list(prompt)
-        raise InvalidRequest("the prompt must be a string or a list of token ids")
+        raise InvalidRequest("the prompt must be a string or a list of token ids", field="prompt")
 
     def sampling_params(self, spec: RequestSpec) -> SamplingParams:
         sampling = dict(spec.sampling)
@@ -144,8 +150,11 @@ class Admission:
             else:
                 params = spec.params
             params.check_vocab(self.loaded.config.vocab_size, self.config.max_logprobs)
+        except InvalidRequest:
+            raise  # about the field it names
         except (TypeError, ValueError) as exc:
-            raise InvalidRequest(str(exc)) from None
+            message, field = _about(exc)
+            raise InvalidRequest(message, field=field) from None
         self._check_adapter(params)
         differ = self.loaded.embeddings_differ
         if params.embed and differ is not None:
@@ -164,7 +173,8 @@ class Admission:
         if params.lora is not None and params.lora not in self.adapters:
             loaded = ", ".join(repr(name) for name in self.adapters) or "none"
             raise InvalidRequest(
-                f"lora: no LoRA adapter {params.lora!r} is loaded (loaded: {loaded})"
+                f"lora: no LoRA adapter {params.lora!r} is loaded (loaded: {loaded})",
+                field="lora",
             )
 
     # -- the synchronous part -------------------------------------------------------------
@@ -178,12 +188,14 @@ class Admission:
         room = self.max_model_len - len(prompt_ids)
         if room < 0 or (room == 0 and not params.embed):  # an embedding needs no room
             raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}"
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}",
+                field="prompt",
             )
         if params.min_tokens > room:
             raise InvalidRequest(
                 f"min_tokens is {params.min_tokens}, but the context ({self.max_model_len} "
-                f"tokens) leaves {room} after the prompt's {len(prompt_ids)}"
+                f"tokens) leaves {room} after the prompt's {len(prompt_ids)}",
+                field="min_tokens",
             )
         if params.max_tokens > room:  # generate to the context's end, as asked
             params = attrs.evolve(params, max_tokens=room)
@@ -276,6 +288,15 @@ class Admission:
         if not params.greedy:
             state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
         return state
+
+
+def _about(exc: Exception) -> tuple[str, str | None]:
+    """A `SamplingParams` error's message and, from an attrs type validator's error
+    (`TypeError(message, attribute, type, value)`), the field it is about."""
+    attribute = exc.args[1] if len(exc.args) == 4 else None
+    if isinstance(attribute, attrs.Attribute) and isinstance(exc.args[0], str):
+        return exc.args[0], attribute.name
+    return str(exc), None
 
 
 def cache_salt(owner: str | None, lora: str | None) -> bytes | None:

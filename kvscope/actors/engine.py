@@ -326,10 +326,10 @@ class Engine:
         return self.admission.guides
 
     async def encode_text(
-        self, text: str, *, add_special_tokens: bool = True, what: str = "the prompt"
+        self, text: str, *, add_special_tokens: bool = True, field: str = "prompt"
     ) -> list[int]:
         return await self.admission.encode_text(
-            text, add_special_tokens=add_special_tokens, what=what
+            text, add_special_tokens=add_special_tokens, field=field
         )
 
     async def run_off_loop(self, size: int, work: Callable[[], T]) -> T:

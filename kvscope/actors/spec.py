@@ -22,14 +22,11 @@ Prompt = str | list[int]
 
 def _optional_str(_inst: object, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and not isinstance(value, str):
-        raise InvalidRequest(f"{attribute.name} must be a string")
+        raise InvalidRequest(f"{attribute.name} must be a string", field=attribute.name)
 
 
 def _priority(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
-    try:
-        PRIORITY.check("priority", value)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    PRIORITY.check("priority", value)
 
 
 def _timeout(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
@@ -37,13 +34,13 @@ def _timeout(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
         return
     try:
         TIMEOUT.check("timeout", value)
-    except ValueError as exc:
-        raise InvalidRequest(f"{exc} seconds") from None
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{exc} seconds", field="timeout") from None
 
 
 def _samples(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequest("n must be a positive integer")
+        raise InvalidRequest("n must be a positive integer", field="n")
 
 
 @attrs.frozen(kw_only=True)
@@ -70,7 +67,8 @@ class RequestSpec:
         sampling = {k: v for k, v in options.items() if k not in _OWN_FIELDS}
         unknown = set(sampling) - SamplingParams.fields()
         if unknown:
-            raise InvalidRequest(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
+            names = sorted(unknown)
+            raise InvalidRequest(f"unknown sampling field(s): {', '.join(names)}", field=names[0])
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         return cls(prompt=prompt, params=params, sampling=tuple(sampling.items()), **own)

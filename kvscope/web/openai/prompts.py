@@ -63,9 +63,7 @@ async def prompt_ids(
         if not prompt:
             raise ApiError(400, f"the {param} is empty", param=param)
         # Valid Unicode, at most max_prompt_bytes, and tokenized off the loop when big.
-        return await engine.encode_text(
-            prompt, add_special_tokens=add_special_tokens, what=f"the {param}"
-        )
+        return await engine.encode_text(prompt, add_special_tokens=add_special_tokens, field=param)
     if not prompt:
         raise ApiError(400, f"the {param} is empty", param=param)
     return prompt  # the engine checks each id against the vocabulary

@@ -36,7 +36,7 @@ from quart import Blueprint, current_app, request
 from quart.blueprints import BlueprintSetupState
 from quart_schema import document_request
 
-from kvscope import Job
+from kvscope import InvalidRequest, Job
 
 from ...auth import current_owner
 from ...context import ServerContext, disconnect_reason, server
@@ -49,7 +49,7 @@ from ..chat_schemas import ChatMessage, ChatTemplateOptions
 from ..completions import read_openai_body
 from ..model_names import adapter_of
 from ..prompts import max_tokens
-from ..run import check_params
+from ..run import body_names, refused
 from ..tools import ToolPlan
 from .format import ResponseEvents
 from .ids import response_id
@@ -58,6 +58,9 @@ from .store import ResponseStore, StoredResponse
 from .view import ResponseView
 
 blueprint = Blueprint("responses", __name__, url_prefix="/v1")
+
+#: The body's names of the engine's fields where they differ.
+RESPONSES_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens", "prompt": "input"}
 
 #: Where the app keeps its `ResponseStore`.
 STORE = "kvscope.responses"
@@ -105,10 +108,12 @@ async def create_response() -> Any:
     )
     schema_field = "text" if body.text_format.type != "text" else "tools"
     lora = adapter_of(ctx.engine, body.model)
-    kwargs = body.sampling(limit) | {"lora": lora}
-    sampling = await check_params(ctx.engine, kwargs, schema_field, {"logprobs": "top_logprobs"})
-    sampling |= plan.sampling_overrides()
-    job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
+    sampling = body.sampling(limit) | {"lora": lora} | plan.sampling_overrides()
+    try:
+        job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
+    except InvalidRequest as exc:
+        names = body_names(schema_field, RESPONSES_NAMES)
+        raise await refused(ctx.engine, exc, names) from None
     model = lora or ctx.engine.model_name
     view = ResponseView(
         response_id(job.id),
