@@ -11,7 +11,7 @@ message starts with the field's name and whose `field` is it, so the web layer a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 from attrs import validators as v
@@ -83,6 +83,13 @@ def _bounded(default: Any, bound: Bound, *, optional: bool = False) -> Any:
 #: (`PRIORITY.check("priority", value)` raises the InvalidRequest about the field).
 PRIORITY = Bound(-INT32, INT32, integer=True)
 TIMEOUT = Bound(0.0, TIMEOUT_MAX, lo_open=True)
+
+#: A request's `context` option, what admission does where prompt and `max_tokens`
+#: overflow the context: "cap" runs it to the context's end (the Python API's and the
+#: native routes' way), "refuse" is an `InvalidRequest` about `max_tokens` (OpenAI's 400).
+ContextPolicy = Literal["refuse", "cap"]
+#: A `max_tokens` that, capped, runs the completion to the context's end.
+TO_THE_CONTEXT_END = INT32
 
 
 #: Below this temperature sampling is greedy: dividing logits by less overflows them.

@@ -1,7 +1,8 @@
 """Admission: whether a `RequestSpec` may become a request, and its `RequestState`s.
 
 It owns the engine's limits on one request (the context, `max_prompt_bytes`, the
-queue, a family's depth and size), tokenizing (off the loop when the text is big),
+queue, a family's depth and size): whether a prompt and its `max_tokens` fit the
+context is decided here only (`fit`, under the request's `ContextPolicy`), tokenizing (off the loop when the text is big),
 the sampling parameters a request ends up with (the checkpoint's generation defaults
 under the caller's, checked against the vocabulary and the structured-output
 compiler), and building the states of a request and its samples. `prepare` is the
@@ -27,7 +28,7 @@ from kvscope.errors import EngineOverloaded, InvalidRequest, RequestConflict, Un
 from kvscope.kernels.guided import GuideCompiler
 from kvscope.kernels.sampling import make_generator
 from kvscope.models.loader import LoadedModel
-from kvscope.params import SamplingParams
+from kvscope.params import ContextPolicy, SamplingParams
 from kvscope.text import utf8_size
 
 from .lifecycle import Ledger
@@ -120,10 +121,7 @@ class Admission:
             if not prompt:
                 raise InvalidRequest("the prompt is empty", field="prompt")
             if len(prompt) > self.max_model_len:
-                raise InvalidRequest(
-                    f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}",
-                    field="prompt",
-                )
+                raise self._overflow(len(prompt))
             vocab = self.loaded.config.vocab_size
             for token in prompt:
                 if isinstance(token, bool) or not isinstance(token, int):
@@ -185,20 +183,7 @@ class Admission:
         """Check the limits and build the request's state (its samples as its pending
         children); returns it and the task group its task joins. Counts its sequences
         as admitting until their tasks queue them."""
-        room = self.max_model_len - len(prompt_ids)
-        if room < 0 or (room == 0 and not params.embed):  # an embedding needs no room
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}",
-                field="prompt",
-            )
-        if params.min_tokens > room:
-            raise InvalidRequest(
-                f"min_tokens is {params.min_tokens}, but the context ({self.max_model_len} "
-                f"tokens) leaves {room} after the prompt's {len(prompt_ids)}",
-                field="min_tokens",
-            )
-        if params.max_tokens > room:  # generate to the context's end, as asked
-            params = attrs.evolve(params, max_tokens=room)
+        params = self._fitted(params, len(prompt_ids), spec.context)
         self._check_adapter(params)  # again: one may have been unloaded since `prepare`
         queued = self.scheduler.num_waiting + self.ledger.admitting
         if queued + spec.samples > self.config.max_queued_requests:
@@ -220,6 +205,57 @@ class Admission:
         if spec.request_id is not None:
             self.registry.reserve(spec.request_id)  # until its task adds it
         return state, group
+
+    def fit(self, prompt_len: int, max_tokens: int, context: ContextPolicy = "cap") -> int:
+        """The `max_tokens` a completion after `prompt_len` prompt tokens runs with:
+        `max_tokens` where both fit the context; else what fits under "cap", and under
+        "refuse" an `InvalidRequest` about `max_tokens` naming both numbers (OpenAI's
+        words, as vLLM's). A prompt that leaves no room is refused either way."""
+        limit = self.max_model_len
+        room = limit - prompt_len
+        if room <= 0:
+            raise self._overflow(prompt_len)
+        if max_tokens <= room:
+            return max_tokens
+        if context == "cap":  # generate to the context's end, as asked
+            return room
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+            "the completion). Please reduce the length of the prompt or of max_tokens.",
+            field="max_tokens",
+        )
+
+    def _fitted(
+        self, params: SamplingParams, prompt_len: int, context: ContextPolicy
+    ) -> SamplingParams:
+        """`params` with a `max_tokens` that fits the context (`fit`); an embedding
+        needs no room, and `min_tokens` must fit."""
+        if params.embed:
+            if prompt_len > self.max_model_len:
+                raise self._overflow(prompt_len, completes=False)
+            return params
+        max_tokens = self.fit(prompt_len, params.max_tokens, context)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens is {params.min_tokens}, but the context ({self.max_model_len} "
+                f"tokens) leaves {max_tokens} after the prompt's {prompt_len}",
+                field="min_tokens",
+            )
+        return (
+            attrs.evolve(params, max_tokens=max_tokens)
+            if max_tokens != params.max_tokens
+            else params
+        )
+
+    def _overflow(self, prompt_len: int, *, completes: bool = True) -> InvalidRequest:
+        """The refusal of a prompt that leaves the completion no room (OpenAI's words)."""
+        end = ", leaving none for the completion." if completes else "."
+        return InvalidRequest(
+            f"This model's maximum context length is {self.max_model_len} tokens; the "
+            f"prompt has {prompt_len} tokens{end}",
+            field="prompt",
+        )
 
     def unadmit(self, state: RequestState, samples: int) -> None:
         """Its task could not start (its parent's group closed meanwhile)."""

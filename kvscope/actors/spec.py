@@ -2,7 +2,8 @@
 
 `Engine.request`, `generate`, `submit` and `submit_samples` take a prompt, optional
 `SamplingParams` and keyword options; `RequestSpec.build` sorts the options into the
-request's own (`priority`, `parent`, `request_id`, `timeout`, `owner`, `samples`) and
+request's own (`priority`, `parent`, `request_id`, `timeout`, `owner`, `samples`, the
+`context` policy) and
 sampling overrides (any `SamplingParams` field), and checks each once. What depends on
 the model (the prompt's tokens, the context, the vocabulary) is admission's
 (`admission.py`).
@@ -10,12 +11,12 @@ the model (the prompt's tokens, the context, the vocabulary) is admission's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 
 from kvscope.errors import InvalidRequest
-from kvscope.params import PRIORITY, TIMEOUT, SamplingParams
+from kvscope.params import PRIORITY, TIMEOUT, ContextPolicy, SamplingParams
 
 Prompt = str | list[int]
 
@@ -43,6 +44,11 @@ def _samples(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
         raise InvalidRequest("n must be a positive integer", field="n")
 
 
+def _context(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
+    if value not in get_args(ContextPolicy):
+        raise InvalidRequest(f"context must be 'refuse' or 'cap', not {value!r}", field="context")
+
+
 @attrs.frozen(kw_only=True)
 class RequestSpec:
     prompt: Prompt
@@ -58,6 +64,8 @@ class RequestSpec:
     owner: str | None = attrs.field(default=None, validator=_optional_str)
     #: How many samples of the prompt (OpenAI's `n`): one parent and its children.
     samples: int = attrs.field(default=1, validator=_samples)
+    #: What admission does if the prompt and `max_tokens` overflow the context.
+    context: ContextPolicy = attrs.field(default="cap", validator=_context)
 
     @classmethod
     def build(

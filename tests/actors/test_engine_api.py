@@ -143,6 +143,29 @@ async def test_max_tokens_is_capped_to_the_context():
             await engine.generate(list(range(1, 70)))
 
 
+async def test_the_context_policy_refuses_or_caps():
+    """`context="refuse"` (the OpenAI routes') refuses what "cap" (the default) cuts
+    to the context's end; `engine.fit` says which, by the same rule."""
+    async with open_engine(max_model_len=64) as engine:
+        prompt = list(range(1, 60))
+        assert engine.fit(59, 1000) == 5 and engine.fit(59, 5, "refuse") == 5
+        with pytest.raises(InvalidRequest, match="maximum context length is 64") as caught:
+            await engine.generate(prompt, max_tokens=6, context="refuse")
+        assert caught.value.field == "max_tokens" and "65 tokens" in str(caught.value)
+        with pytest.raises(InvalidRequest) as caught:
+            engine.fit(59, 6, "refuse")
+        assert caught.value.field == "max_tokens"
+        done = await engine.generate(prompt, max_tokens=5, context="refuse", **GREEDY)
+        assert len(done.token_ids) == 5
+        with pytest.raises(InvalidRequest) as caught:
+            await engine.generate(prompt, context="always")
+        assert caught.value.field == "context"
+        # An embedding needs no room after its prompt: the whole context is its own.
+        embedded = await engine.generate(list(range(1, 65)), embed=True, context="refuse")
+        assert embedded.finish_reason == "stop"
+        assert engine.stats()["live_requests"] == 0
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -36,8 +36,6 @@ from .schemas import OpenAISampling
 from .stream import StreamSetup, stream_chunks
 from .tools import ToolPlan
 
-Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
-
 
 def body_names(guide_field: str, names: Mapping[str, str] = {}) -> dict[str, str]:
     """The body's names of the engine's fields where they differ: every guide is
@@ -48,7 +46,7 @@ def body_names(guide_field: str, names: Mapping[str, str] = {}) -> dict[str, str
 
 def sampling_names(body: OpenAISampling) -> dict[str, str]:
     given = body.guide_fields  # what the client sent; else a tool call's schema
-    return body_names(given[0] if given else "tools", body.ENGINE_NAMES)
+    return body_names(given[0] if given else "tools", body.engine_names())
 
 
 async def refused(
@@ -87,21 +85,27 @@ def logit_bias_errors(bias: Mapping[Any, Any], vocab_size: int) -> str:
 
 
 async def start(
-    ctx: ServerContext, plans: list[Plan], body: OpenAISampling, tools: ToolPlan | None = None
+    ctx: ServerContext,
+    prompts: list[list[int]],
+    body: OpenAISampling,
+    tools: ToolPlan | None = None,
 ) -> list[Job]:
     """Each prompt's `n` samples as one family, in choice order; a 400 naming the
-    field (as the body does) if the engine refuses one."""
+    field (as the body does) if the engine refuses one, a prompt and `max_tokens` that
+    overflow the context included (`body.limit`)."""
     jobs: list[Job] = []
-    lora = {"lora": adapter_of(ctx.engine, body.model)}
+    max_tokens, context = body.limit
+    sampling = body.sampling(max_tokens) | {"lora": adapter_of(ctx.engine, body.model)}
     overrides = tools.sampling_overrides() if tools is not None else {}
     try:
-        for ids, max_tokens in plans:
+        for ids in prompts:
             jobs += await ctx.engine.submit_samples(
                 ids,
                 n=body.n,
                 priority=body.priority,
                 owner=current_owner(),
-                **(body.sampling(max_tokens) | lora | overrides),
+                context=context,
+                **(sampling | overrides),
             )
     except BaseException as exc:
         cancel_all(ctx, jobs, "disconnect")
@@ -113,18 +117,20 @@ async def start(
 
 
 async def beam_search(
-    ctx: ServerContext, plans: list[Plan], body: OpenAISampling
+    ctx: ServerContext, prompts: list[list[int]], body: OpenAISampling
 ) -> list[Completion]:
     """Each prompt's `n` best beams, in choice order (the prompts searched at once).
     The searches run in this call's scope: a client that goes away cancels them."""
     if refusal := body.beam_search_refusal():
         raise ApiError(400, refusal[0], param=refusal[1])
     temperature = body.temperature if "temperature" in body.model_fields_set else 0.0
+    max_tokens, context = body.limit
 
-    def search(ids: list[int], max_tokens: int) -> Callable[[], Awaitable[list[Completion]]]:
+    def search(ids: list[int]) -> Callable[[], Awaitable[list[Completion]]]:
         params = BeamSearchParams(
             beam_width=body.n,
             max_tokens=max_tokens,
+            context=context,
             temperature=temperature,
             length_penalty=body.length_penalty,
             ignore_eos=body.ignore_eos,
@@ -136,7 +142,10 @@ async def beam_search(
         )
         return functools.partial(search_beams, ctx.engine, ids, params)
 
-    found = await gather([search(ids, max_tokens) for ids, max_tokens in plans])
+    try:
+        found = await gather([search(ids) for ids in prompts])
+    except InvalidRequest as exc:
+        raise await refused(ctx.engine, exc, sampling_names(body)) from None
     return [beam for beams in found for beam in beams]
 
 
@@ -156,7 +165,7 @@ def cancel_all(ctx: ServerContext, jobs: list[Job], reason: str) -> None:
 
 async def complete(
     ctx: ServerContext,
-    plans: list[Plan],
+    prompts: list[list[int]],
     body: OpenAISampling,
     *,
     chat: bool,
@@ -168,20 +177,20 @@ async def complete(
     (`reasoning_content`) from its answer, the content, in which its tool calls are
     read."""
     as_ids = ctx.settings.return_tokens_as_token_ids
-    view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat, as_ids=as_ids)
+    view = Choices(ctx.engine, body, prompts, chat=chat, as_ids=as_ids)
     model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
     details = ctx.settings.prompt_tokens_details
     if body.use_beam_search:
-        results = await beam_search(ctx, plans, body)
+        results = await beam_search(ctx, prompts, body)
     else:
-        jobs = await start(ctx, plans, body, tools)
+        jobs = await start(ctx, prompts, body, tools)
         if body.stream:
             fmt = ChunkFormat(jobs[0].id, int(time.time()), model, chat=chat)
             force = ctx.settings.force_include_usage
             setup = StreamSetup(
                 body, view, fmt, tools, reasoning, details=details, force_usage=force
             )
-            chunks = stream_chunks(jobs, setup, [max_tokens for _ids, max_tokens in plans])
+            chunks = stream_chunks(jobs, setup)
             ids = [job.id for job in reversed(jobs)]
             return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
         results = await wait_all(ctx, jobs)
@@ -199,7 +208,7 @@ async def complete(
     if chat:  # vLLM's place for the one prompt's: the answer's, null unless asked
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
         # The one prompt's; a batch of chats has no one prompt (vLLM's: null).
-        answer["prompt_token_ids"] = view.returned_ids(0, ())[0] if len(plans) == 1 else None
+        answer["prompt_token_ids"] = view.returned_ids(0, ())[0] if len(prompts) == 1 else None
     return answer, 200, {"X-Request-Id": results[0].id}
 
 
