@@ -32,7 +32,7 @@ import attrs
 from kvscope.actors.messages import Completion
 from kvscope.actors.spec import Prompt
 from kvscope.errors import InvalidRequest
-from kvscope.params import MAX_LOGPROBS
+from kvscope.params import MAX_LOGPROBS, ContextPolicy
 
 if TYPE_CHECKING:
     from kvscope.actors.engine import Engine
@@ -58,14 +58,19 @@ class BeamSearchParams:
     lora: str | None = None
     owner: str | None = None
     priority: int = 0
+    #: A prompt and `max_tokens` that overflow the context: refused, or the search
+    #: capped to the context's end (a request's `ContextPolicy`).
+    context: ContextPolicy = "refuse"
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise InvalidRequest(f"beam search takes a beam width (n) of 1 to {MAX_BEAM_WIDTH}")
+            raise InvalidRequest(
+                f"beam search takes a beam width (n) of 1 to {MAX_BEAM_WIDTH}", field="n"
+            )
         if self.max_tokens < 1:
-            raise InvalidRequest("beam search needs max_tokens of at least 1")
+            raise InvalidRequest("beam search needs max_tokens of at least 1", field="max_tokens")
         if not math.isfinite(self.length_penalty):
-            raise InvalidRequest("length_penalty must be a finite number")
+            raise InvalidRequest("length_penalty must be a finite number", field="length_penalty")
 
 
 @attrs.frozen
@@ -81,11 +86,7 @@ async def beam_search(engine: Engine, prompt: Prompt, params: BeamSearchParams) 
     ends the search with one `Completion` of finish reason `error`. Leaving the call
     cancels the step's requests."""
     ids = await engine.encode(prompt)
-    if len(ids) + params.max_tokens > engine.max_model_len:
-        raise InvalidRequest(
-            f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: more "
-            f"than this model's context ({engine.max_model_len})"
-        )
+    steps = engine.fit(len(ids), params.max_tokens, params.context)  # as a request's
     eos = set(() if params.ignore_eos else engine.tokenizer.eos_token_ids)
     options: dict[str, Any] = dict(
         max_tokens=1,
@@ -98,7 +99,7 @@ async def beam_search(engine: Engine, prompt: Prompt, params: BeamSearchParams) 
     )
     live, finished = [_Beam((), 0.0)], list[_Beam]()
     first_id = ""
-    for _ in range(params.max_tokens):
+    for _ in range(steps):
         done = await _step(engine, ids, live, options)
         first_id = first_id or done[0].id
         if failed := next((out for out in done if out.finish_reason == "error"), None):

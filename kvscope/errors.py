@@ -8,7 +8,13 @@ class KvscopeError(Exception):
 
 
 class InvalidRequest(KvscopeError, ValueError):
-    """The request is malformed or cannot fit the model (HTTP 400)."""
+    """The request is malformed or cannot fit the model (HTTP 400). `field` names the
+    request field it is about, where there is one (a `SamplingParams` field, or
+    `prompt`): the web layer answers it as the 400's `param`."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class UnknownRequest(KvscopeError, LookupError):

@@ -1,5 +1,6 @@
 """Command-line options derived from `EngineConfig`, for every command that opens an
-engine (`kvscope serve`, `kvscope generate`).
+engine (`kvscope serve`, `kvscope generate`); `field_help` and `value_type` serve the
+server's own settings' flags the same way (`web/serve.py`, from `ServerSettings`).
 
 Each field of `EngineConfig` becomes one option (`max_num_seqs` -> `--max-num-seqs`)
 with the field's default and its `#:` comment as the help, so a setting, its default
@@ -27,11 +28,12 @@ MODEL_OPTIONS = ("model", "device", "dtype")
 DEFAULT_MODEL = "bundled"
 
 
-def field_help() -> dict[str, str]:
-    """Each field's `#:` comment in `EngineConfig`'s source (what the docs show too)."""
+def field_help(settings: type = EngineConfig) -> dict[str, str]:
+    """Each field's `#:` comment in the source of `settings`, an attrs class
+    (`EngineConfig` unless told; what the docs show too)."""
     helps: dict[str, str] = {}
     comment: list[str] = []
-    for line in inspect.getsource(EngineConfig).splitlines():
+    for line in inspect.getsource(settings).splitlines():
         stripped = line.strip()
         if stripped.startswith("#:"):
             comment.append(stripped[2:].strip())
@@ -44,7 +46,7 @@ def field_help() -> dict[str, str]:
     return helps
 
 
-def _value_type(annotation: Any) -> type:
+def value_type(annotation: Any) -> type:
     """`int | None` -> int; `float` -> float."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -76,7 +78,7 @@ def add_engine_arguments(
     hints = typing.get_type_hints(EngineConfig)
     for field in attrs.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        kind = _value_type(hints[field.name])
+        kind = value_type(hints[field.name])
         help_text = helps.get(field.name, "")
         default, shown = (defaults or {}).get(field.name, (field.default, "%(default)s"))
         if "parse" in field.metadata:  # a value of its own syntax, maybe repeated

@@ -1,6 +1,6 @@
 """How the list and text fields of a request's `SamplingParams` are read and checked:
 converters (a string or a list as a tuple, a JSON schema as canonical text) and the
-attrs validators that raise the `ValueError` naming the field (`kvscope.params` owns
+attrs validators that raise the `InvalidRequest` (a ValueError) carrying the field (`kvscope.params` owns
 the fields; this module their values' rules).
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from kvscope.errors import InvalidRequest
 from kvscope.text import utf8_size
 
 
@@ -36,30 +37,39 @@ MAX_STOP_LENGTH = 256
 def non_empty_strings(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
     for item in value:
         if not isinstance(item, str) or not item:
-            raise ValueError(f"{attribute.name} must hold non-empty strings")
-        utf8_size(item, attribute.name)
+            raise InvalidRequest(
+                f"{attribute.name} must hold non-empty strings", field=attribute.name
+            )
+        utf8_size(item, attribute.name, field=attribute.name)
 
 
 def non_empty_ids(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
     if not value:
-        raise ValueError(f"{attribute.name} must hold at least one token id")
+        raise InvalidRequest(
+            f"{attribute.name} must hold at least one token id", field=attribute.name
+        )
     non_negative_ints(inst, attribute, value)
 
 
 def stop_strings(inst: object, attribute: attrs.Attribute, value: tuple) -> None:
     if len(value) > MAX_STOP_STRINGS:
-        raise ValueError(f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings")
+        raise InvalidRequest(
+            f"{attribute.name} may hold at most {MAX_STOP_STRINGS} strings", field=attribute.name
+        )
     non_empty_strings(inst, attribute, value)
     if any(len(item) > MAX_STOP_LENGTH for item in value):
-        raise ValueError(
-            f"{attribute.name} strings may be at most {MAX_STOP_LENGTH} characters long"
+        raise InvalidRequest(
+            f"{attribute.name} strings may be at most {MAX_STOP_LENGTH} characters long",
+            field=attribute.name,
         )
 
 
 def non_negative_ints(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
     for item in value:
         if not isinstance(item, int) or isinstance(item, bool) or item < 0:
-            raise ValueError(f"{attribute.name} must hold non-negative integers")
+            raise InvalidRequest(
+                f"{attribute.name} must hold non-negative integers", field=attribute.name
+            )
 
 
 def json_text(value: Any) -> str | None:
@@ -70,7 +80,11 @@ def json_text(value: Any) -> str | None:
         try:
             value = json.loads(value)
         except ValueError:
-            raise ValueError("guided_json must be a JSON schema (an object)") from None
+            raise _not_a_schema() from None
     if not isinstance(value, dict):
-        raise ValueError("guided_json must be a JSON schema (an object)")
+        raise _not_a_schema()
     return json.dumps(value, separators=(",", ":"))  # key order is generation order
+
+
+def _not_a_schema() -> InvalidRequest:
+    return InvalidRequest("guided_json must be a JSON schema (an object)", field="guided_json")

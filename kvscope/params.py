@@ -3,18 +3,20 @@
 This module is the one statement of every rule about what a request may ask: each
 numeric field's range is a `Bound` kept in the field's metadata (the HTTP schemas build
 their constraints from it, `SamplingParams.bound`), and so are the ranges of a request's
-`priority` and `timeout`. Invalid values raise `ValueError` naming the field, so the web
-layer can answer 400.
+`priority` and `timeout`. Invalid values raise `InvalidRequest` (a ValueError) whose
+message starts with the field's name and whose `field` is it, so the web layer answers a
+400 naming the field.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 from attrs import validators as v
 
+from kvscope.errors import InvalidRequest
 from kvscope.param_values import (
     ints,
     json_text,
@@ -47,21 +49,22 @@ class Bound:
         self.check(attribute.name, value)
 
     def check(self, name: str, value: object) -> None:
-        """ValueError naming `name` unless `value` is in range."""
+        """`InvalidRequest` about `name` unless `value` is in range."""
         if self.integer:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer")
+                raise InvalidRequest(f"{name} must be an integer", field=name)
             if value < self.lo:
-                raise ValueError(f"{name} must be >= {self.lo}")
+                raise InvalidRequest(f"{name} must be >= {self.lo}", field=name)
             if value > self.hi:
-                raise ValueError(f"{name} must be <= {self.hi}")
+                raise InvalidRequest(f"{name} must be <= {self.hi}", field=name)
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name} must be a number")
+            raise InvalidRequest(f"{name} must be a number", field=name)
         lo_out = value < self.lo or (self.lo_open and value == self.lo)
         if value != value or value > self.hi or lo_out:
-            raise ValueError(
-                f"{name} must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+            raise InvalidRequest(
+                f"{name} must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]",
+                field=name,
             )
 
     def constraints(self) -> dict[str, float]:
@@ -77,9 +80,16 @@ def _bounded(default: Any, bound: Bound, *, optional: bool = False) -> Any:
 
 #: A request's priority (lower is more urgent) and timeout (seconds): not sampling, but
 #: bounded here too so that every numeric rule of a request body has one statement
-#: (`PRIORITY.check("priority", value)` raises the ValueError naming the field).
+#: (`PRIORITY.check("priority", value)` raises the InvalidRequest about the field).
 PRIORITY = Bound(-INT32, INT32, integer=True)
 TIMEOUT = Bound(0.0, TIMEOUT_MAX, lo_open=True)
+
+#: A request's `context` option, what admission does where prompt and `max_tokens`
+#: overflow the context: "cap" runs it to the context's end (the Python API's and the
+#: native routes' way), "refuse" is an `InvalidRequest` about `max_tokens` (OpenAI's 400).
+ContextPolicy = Literal["refuse", "cap"]
+#: A `max_tokens` that, capped, runs the completion to the context's end.
+TO_THE_CONTEXT_END = INT32
 
 
 #: Below this temperature sampling is greedy: dividing logits by less overflows them.
@@ -102,29 +112,33 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 PENALTY = Bound(-2.0, 2.0)
 
 
+def _bad_bias(message: str) -> InvalidRequest:
+    return InvalidRequest(message, field="logit_bias")
+
+
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """`{token id: bias}` (ids as ints or as the decimal strings JSON keys are) as
     sorted `(id, bias)` pairs."""
     if value is None:
         return ()
     if not isinstance(value, (Mapping, list, tuple)):
-        raise ValueError("logit_bias must map token ids to biases")
+        raise _bad_bias("logit_bias must map token ids to biases")
     items = value.items() if isinstance(value, Mapping) else value
     pairs = {}
     for item in items:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
-            raise ValueError("logit_bias must map token ids to biases")
+            raise _bad_bias("logit_bias must map token ids to biases")
         key, bias = item
         if isinstance(key, str) and key.strip().lstrip("-").isdigit():
             key = int(key)
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
-            raise ValueError(
+            raise _bad_bias(
                 f"logit_bias keys must be token ids (non-negative integers), not {key!r}"
             )
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
-            raise ValueError(f"logit_bias values must be numbers, not {bias!r}")
+            raise _bad_bias(f"logit_bias values must be numbers, not {bias!r}")
         if abs(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(
+            raise _bad_bias(
                 f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {bias}"
             )
         pairs[key] = float(bias)
@@ -137,12 +151,6 @@ GUIDES = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 #: The sampling fields a checkpoint's generation_config.json gives defaults for: they
 #: fill in what a request leaves unset, on every route.
 GENERATION_DEFAULTED = ("temperature", "top_p", "top_k", "min_p")
-
-
-def field_of(exc: ValueError) -> str | None:
-    """The field a `SamplingParams` validation error names (its message starts with it)."""
-    word = str(exc).split(" ", 1)[0]
-    return word if word in SamplingParams.fields() else None
 
 
 @attrs.frozen(kw_only=True)
@@ -226,36 +234,46 @@ class SamplingParams:
     def _embed_alone(self, _attribute: attrs.Attribute, value: bool) -> None:
         asked = [name for name in (*GUIDES, "logprobs", "prompt_logprobs") if getattr(self, name)]
         if value and asked:
-            raise ValueError(f"embed generates no token: it cannot be combined with {asked[0]}")
+            raise InvalidRequest(
+                f"embed generates no token: it cannot be combined with {asked[0]}", field="embed"
+            )
 
     @guided_choice.validator
     def _choices(self, attribute: attrs.Attribute, value: tuple[str, ...] | None) -> None:
         if value is not None:
             if not value:
-                raise ValueError("guided_choice must hold at least one string")
+                raise InvalidRequest(
+                    "guided_choice must hold at least one string", field="guided_choice"
+                )
             non_empty_strings(self, attribute, value)
 
     @guided_grammar.validator
     def _one_guide(self, _attribute: attrs.Attribute, _value: str | None) -> None:
         given = [name for name in GUIDES if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"{given[1]} cannot be combined with {given[0]}; give one guide")
+            raise InvalidRequest(
+                f"{given[1]} cannot be combined with {given[0]}; give one guide", field=given[1]
+            )
 
     @logprob_token_ids.validator
     def _pinned_logprobs(self, _attribute: attrs.Attribute, value: tuple[int, ...] | None) -> None:
         if value is None:
             return
         if len(value) > MAX_LOGPROB_TOKEN_IDS:
-            raise ValueError(
-                f"logprob_token_ids may name at most {MAX_LOGPROB_TOKEN_IDS} tokens, not {len(value)}"
+            raise InvalidRequest(
+                f"logprob_token_ids may name at most {MAX_LOGPROB_TOKEN_IDS} tokens, not {len(value)}",
+                field="logprob_token_ids",
             )
         if self.logprobs is None:
-            raise ValueError("logprob_token_ids needs logprobs")
+            raise InvalidRequest("logprob_token_ids needs logprobs", field="logprob_token_ids")
 
     @min_tokens.validator
     def _min_below_max(self, _attribute: attrs.Attribute, value: int) -> None:
         if value > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), not {value}")
+            raise InvalidRequest(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), not {value}",
+                field="min_tokens",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -285,29 +303,32 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Token ids named here must exist in the model's vocabulary, and the
         alternatives asked for per token (-1: the vocabulary) be at most `max_logprobs`
-        (-1: any number); ValueError naming the field if not."""
+        (-1: any number); `InvalidRequest` about the field if not."""
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(self, name)
             count = vocab_size if asked == -1 else asked
             if count is not None and -1 < max_logprobs < count:
-                raise ValueError(  # vLLM's words, after the field's name
+                raise InvalidRequest(  # vLLM's words, after the field's name
                     f"{name} of {count} requested, which is greater than max allowed: "
-                    f"{max_logprobs} (--max-logprobs)"
+                    f"{max_logprobs} (--max-logprobs)",
+                    field=name,
                 )
         for token, _bias in self.logit_bias:
             if token >= vocab_size:
-                raise ValueError(
+                raise _bad_bias(
                     f"logit_bias token id {token} is not below the vocabulary size {vocab_size}"
                 )
         for token in self.allowed_token_ids or ():
             if token >= vocab_size:
-                raise ValueError(
-                    f"allowed_token_ids id {token} is not below the vocabulary size {vocab_size}"
+                raise InvalidRequest(
+                    f"allowed_token_ids id {token} is not below the vocabulary size {vocab_size}",
+                    field="allowed_token_ids",
                 )
         if bad := [token for token in self.logprob_token_ids or () if token >= vocab_size]:
-            raise ValueError(  # vLLM's words
+            raise InvalidRequest(  # vLLM's words
                 f"logprob_token_ids holds token_id(s) {bad} out of vocabulary. "
-                f"Vocabulary size: {vocab_size}"
+                f"Vocabulary size: {vocab_size}",
+                field="logprob_token_ids",
             )
 
     @classmethod

@@ -11,14 +11,15 @@ from __future__ import annotations
 from kvscope.errors import InvalidRequest
 
 
-def utf8_size(text: str, what: str) -> int:
-    """The UTF-8 size of `text` in bytes; `InvalidRequest` naming `what` if it holds a
-    lone surrogate."""
+def utf8_size(text: str, what: str, *, field: str | None = None) -> int:
+    """The UTF-8 size of `text` in bytes; `InvalidRequest` naming `what` (about the
+    request's `field`) if it holds a lone surrogate."""
     if text.isascii():
         return len(text)
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise InvalidRequest(
-            f"{what} is not valid Unicode: a lone surrogate at character {exc.start}"
+            f"{what} is not valid Unicode: a lone surrogate at character {exc.start}",
+            field=field,
         ) from None

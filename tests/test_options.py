@@ -13,6 +13,9 @@ import pytest
 from kvscope import serve
 from kvscope.config import EngineConfig
 from kvscope.options import add_engine_arguments, engine_kwargs, field_help
+from kvscope.web import serve as one_server
+from kvscope.web.openai import lora_admin
+from kvscope.web.settings import ServerSettings
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -74,3 +77,19 @@ def test_one_server_and_its_replicas_take_their_own_worker_defaults() -> None:
     help_text = " ".join(parser.format_help().split())
     assert "--worker-cores WORKER_CORES" in help_text
     assert "(default: auto; all with --replicas)" in help_text
+
+
+def test_the_server_flags_default_to_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvscope serve` with no flags makes the `ServerSettings` of the class's own
+    defaults: each flag reads its field's default (and its comment, as help), so a
+    default is written once."""
+    for variable in (*one_server.KEY_VARIABLES, "KVSCOPE_API_KEY_FILE", lora_admin.SWITCH):
+        monkeypatch.delenv(variable, raising=False)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert one_server.settings_from(parser.parse_args([])) == ServerSettings()
+    text = " ".join(parser.format_help().split())
+    assert "--host HOST The address it listens on (0.0.0.0: every interface)." in text
+    given = parser.parse_args(["--port", "0", "--drain-timeout", "1.5", "--loop-priority", "0"])
+    settings = one_server.settings_from(given)
+    assert (settings.port, settings.drain_timeout, settings.loop_priority) == (0, 1.5, 0)

@@ -1,7 +1,8 @@
 """Admission: whether a `RequestSpec` may become a request, and its `RequestState`s.
 
 It owns the engine's limits on one request (the context, `max_prompt_bytes`, the
-queue, a family's depth and size), tokenizing (off the loop when the text is big),
+queue, a family's depth and size): whether a prompt and its `max_tokens` fit the
+context is decided here only (`fit`, under the request's `ContextPolicy`), tokenizing (off the loop when the text is big),
 the sampling parameters a request ends up with (the checkpoint's generation defaults
 under the caller's, checked against the vocabulary and the structured-output
 compiler), and building the states of a request and its samples. `prepare` is the
@@ -27,7 +28,7 @@ from kvscope.errors import EngineOverloaded, InvalidRequest, RequestConflict, Un
 from kvscope.kernels.guided import GuideCompiler
 from kvscope.kernels.sampling import make_generator
 from kvscope.models.loader import LoadedModel
-from kvscope.params import SamplingParams
+from kvscope.params import ContextPolicy, SamplingParams
 from kvscope.text import utf8_size
 
 from .lifecycle import Ledger
@@ -82,22 +83,22 @@ class Admission:
         in a thread (up to the compile deadline of `kernels/guide_limits.py`): the event
         loop goes on meanwhile; a compiled one comes from the compiler's cache."""
         params = self.sampling_params(spec)
-        if params.guided:
-            try:
-                await anyio.to_thread.run_sync(self.guides.check, params)
-            except ValueError as exc:
-                raise InvalidRequest(str(exc)) from None
+        if params.guided:  # InvalidRequest about the guide's field if it cannot compile
+            await anyio.to_thread.run_sync(self.guides.check, params)
         return params, await self.encode(spec.prompt)
 
     async def encode_text(
-        self, text: str, *, add_special_tokens: bool = True, what: str = "the prompt"
+        self, text: str, *, add_special_tokens: bool = True, field: str = "prompt"
     ) -> list[int]:
-        """Tokenize a client's text: valid Unicode and at most `max_prompt_bytes`
-        (checked before tokenizing), and off the event loop when it is big."""
-        size = utf8_size(text, what)
+        """Tokenize a client's text, which the request's `field` holds: valid Unicode and
+        at most `max_prompt_bytes` (checked before tokenizing), and off the event loop
+        when it is big."""
+        what = f"the {field}"
+        size = utf8_size(text, what, field=field)
         if size > self.max_prompt_bytes:
             raise InvalidRequest(
-                f"{what} has {size} bytes; the limit (max_prompt_bytes) is {self.max_prompt_bytes}"
+                f"{what} has {size} bytes; the limit (max_prompt_bytes) is {self.max_prompt_bytes}",
+                field=field,
             )
         encode = functools.partial(self.tokenizer.encode, text, add_special_tokens)
         return await self.run_off_loop(size, encode)
@@ -110,28 +111,31 @@ class Admission:
         return await anyio.to_thread.run_sync(work, limiter=self._tokenize_limiter)
 
     async def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids; an `InvalidRequest` about the `prompt` if it has none,
+        holds more than the context, or names a token outside the vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequest("the prompt is empty")
+                raise InvalidRequest("the prompt is empty", field="prompt")
             return await self.encode_text(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
-                raise InvalidRequest("the prompt is empty")
+                raise InvalidRequest("the prompt is empty", field="prompt")
             if len(prompt) > self.max_model_len:
-                raise InvalidRequest(
-                    f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}"
-                )
+                raise self._overflow(len(prompt))
             vocab = self.loaded.config.vocab_size
             for token in prompt:
                 if isinstance(token, bool) or not isinstance(token, int):
-                    raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+                    raise InvalidRequest(
+                        f"prompt token ids must be integers in [0, {vocab})", field="prompt"
+                    )
                 if not 0 <= token < vocab:  # vLLM's words first
                     raise InvalidRequest(
                         f"Token id {token} is out of vocabulary: prompt token ids must be "
-                        f"integers in [0, {vocab})"
+                        f"integers in [0, {vocab})",
+                        field="prompt",
                     )
             return list(prompt)
-        raise InvalidRequest("the prompt must be a string or a list of token ids")
+        raise InvalidRequest("the prompt must be a string or a list of token ids", field="prompt")
 
     def sampling_params(self, spec: RequestSpec) -> SamplingParams:
         sampling = dict(spec.sampling)
@@ -144,8 +148,11 @@ class Admission:
             else:
                 params = spec.params
             params.check_vocab(self.loaded.config.vocab_size, self.config.max_logprobs)
+        except InvalidRequest:
+            raise  # about the field it names
         except (TypeError, ValueError) as exc:
-            raise InvalidRequest(str(exc)) from None
+            message, field = _about(exc)
+            raise InvalidRequest(message, field=field) from None
         self._check_adapter(params)
         differ = self.loaded.embeddings_differ
         if params.embed and differ is not None:
@@ -164,7 +171,8 @@ class Admission:
         if params.lora is not None and params.lora not in self.adapters:
             loaded = ", ".join(repr(name) for name in self.adapters) or "none"
             raise InvalidRequest(
-                f"lora: no LoRA adapter {params.lora!r} is loaded (loaded: {loaded})"
+                f"lora: no LoRA adapter {params.lora!r} is loaded (loaded: {loaded})",
+                field="lora",
             )
 
     # -- the synchronous part -------------------------------------------------------------
@@ -175,18 +183,7 @@ class Admission:
         """Check the limits and build the request's state (its samples as its pending
         children); returns it and the task group its task joins. Counts its sequences
         as admitting until their tasks queue them."""
-        room = self.max_model_len - len(prompt_ids)
-        if room < 0 or (room == 0 and not params.embed):  # an embedding needs no room
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len}"
-            )
-        if params.min_tokens > room:
-            raise InvalidRequest(
-                f"min_tokens is {params.min_tokens}, but the context ({self.max_model_len} "
-                f"tokens) leaves {room} after the prompt's {len(prompt_ids)}"
-            )
-        if params.max_tokens > room:  # generate to the context's end, as asked
-            params = attrs.evolve(params, max_tokens=room)
+        params = self._fitted(params, len(prompt_ids), spec.context)
         self._check_adapter(params)  # again: one may have been unloaded since `prepare`
         queued = self.scheduler.num_waiting + self.ledger.admitting
         if queued + spec.samples > self.config.max_queued_requests:
@@ -208,6 +205,57 @@ class Admission:
         if spec.request_id is not None:
             self.registry.reserve(spec.request_id)  # until its task adds it
         return state, group
+
+    def fit(self, prompt_len: int, max_tokens: int, context: ContextPolicy = "cap") -> int:
+        """The `max_tokens` a completion after `prompt_len` prompt tokens runs with:
+        `max_tokens` where both fit the context; else what fits under "cap", and under
+        "refuse" an `InvalidRequest` about `max_tokens` naming both numbers (OpenAI's
+        words, as vLLM's). A prompt that leaves no room is refused either way."""
+        limit = self.max_model_len
+        room = limit - prompt_len
+        if room <= 0:
+            raise self._overflow(prompt_len)
+        if max_tokens <= room:
+            return max_tokens
+        if context == "cap":  # generate to the context's end, as asked
+            return room
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+            "the completion). Please reduce the length of the prompt or of max_tokens.",
+            field="max_tokens",
+        )
+
+    def _fitted(
+        self, params: SamplingParams, prompt_len: int, context: ContextPolicy
+    ) -> SamplingParams:
+        """`params` with a `max_tokens` that fits the context (`fit`); an embedding
+        needs no room, and `min_tokens` must fit."""
+        if params.embed:
+            if prompt_len > self.max_model_len:
+                raise self._overflow(prompt_len, completes=False)
+            return params
+        max_tokens = self.fit(prompt_len, params.max_tokens, context)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens is {params.min_tokens}, but the context ({self.max_model_len} "
+                f"tokens) leaves {max_tokens} after the prompt's {prompt_len}",
+                field="min_tokens",
+            )
+        return (
+            attrs.evolve(params, max_tokens=max_tokens)
+            if max_tokens != params.max_tokens
+            else params
+        )
+
+    def _overflow(self, prompt_len: int, *, completes: bool = True) -> InvalidRequest:
+        """The refusal of a prompt that leaves the completion no room (OpenAI's words)."""
+        end = ", leaving none for the completion." if completes else "."
+        return InvalidRequest(
+            f"This model's maximum context length is {self.max_model_len} tokens; the "
+            f"prompt has {prompt_len} tokens{end}",
+            field="prompt",
+        )
 
     def unadmit(self, state: RequestState, samples: int) -> None:
         """Its task could not start (its parent's group closed meanwhile)."""
@@ -276,6 +324,15 @@ class Admission:
         if not params.greedy:
             state.seq.generator = make_generator(params.seed, self._rng.getrandbits(63))
         return state
+
+
+def _about(exc: Exception) -> tuple[str, str | None]:
+    """A `SamplingParams` error's message and, from an attrs type validator's error
+    (`TypeError(message, attribute, type, value)`), the field it is about."""
+    attribute = exc.args[1] if len(exc.args) == 4 else None
+    if isinstance(attribute, attrs.Attribute) and isinstance(exc.args[0], str):
+        return exc.args[0], attribute.name
+    return str(exc), None
 
 
 def cache_salt(owner: str | None, lora: str | None) -> bytes | None:

@@ -22,7 +22,7 @@ from anyio.abc import TaskGroup
 
 from kvscope.errors import EngineClosed, InvalidRequest, RequestConflict, UnknownRequest
 from kvscope.kernels.guided import GuideCompiler
-from kvscope.params import SamplingParams
+from kvscope.params import ContextPolicy, SamplingParams
 
 from .adapters import RuntimeAdapters
 from .admission import Admission
@@ -326,11 +326,17 @@ class Engine:
         return self.admission.guides
 
     async def encode_text(
-        self, text: str, *, add_special_tokens: bool = True, what: str = "the prompt"
+        self, text: str, *, add_special_tokens: bool = True, field: str = "prompt"
     ) -> list[int]:
         return await self.admission.encode_text(
-            text, add_special_tokens=add_special_tokens, what=what
+            text, add_special_tokens=add_special_tokens, field=field
         )
+
+    def fit(self, prompt_len: int, max_tokens: int, context: ContextPolicy = "cap") -> int:
+        """The `max_tokens` a request of `prompt_len` prompt tokens would run with, under
+        the `context` policy (`InvalidRequest` if it would be refused): admission's rule,
+        for a client that runs its own requests (beam search)."""
+        return self.admission.fit(prompt_len, max_tokens, context)
 
     async def run_off_loop(self, size: int, work: Callable[[], T]) -> T:
         return await self.admission.run_off_loop(size, work)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import anyio
 
+from kvscope.params import SamplingParams
+
 from .messages import Completion, Delta, RequestInfo
 from .request import RequestState
 from .request_views import completion_of, info_of
@@ -118,6 +120,12 @@ class _Handle:
     @property
     def done(self) -> bool:
         return self._state.is_released
+
+    @property
+    def params(self) -> SamplingParams:
+        """The parameters it runs with: the caller's, with the checkpoint's defaults
+        for what it left unset and `max_tokens` as admitted (capped to the context)."""
+        return self._state.params
 
     @property
     def result(self) -> Completion:

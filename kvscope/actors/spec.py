@@ -2,7 +2,8 @@
 
 `Engine.request`, `generate`, `submit` and `submit_samples` take a prompt, optional
 `SamplingParams` and keyword options; `RequestSpec.build` sorts the options into the
-request's own (`priority`, `parent`, `request_id`, `timeout`, `owner`, `samples`) and
+request's own (`priority`, `parent`, `request_id`, `timeout`, `owner`, `samples`, the
+`context` policy) and
 sampling overrides (any `SamplingParams` field), and checks each once. What depends on
 the model (the prompt's tokens, the context, the vocabulary) is admission's
 (`admission.py`).
@@ -10,26 +11,23 @@ the model (the prompt's tokens, the context, the vocabulary) is admission's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 
 from kvscope.errors import InvalidRequest
-from kvscope.params import PRIORITY, TIMEOUT, SamplingParams
+from kvscope.params import PRIORITY, TIMEOUT, ContextPolicy, SamplingParams
 
 Prompt = str | list[int]
 
 
 def _optional_str(_inst: object, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and not isinstance(value, str):
-        raise InvalidRequest(f"{attribute.name} must be a string")
+        raise InvalidRequest(f"{attribute.name} must be a string", field=attribute.name)
 
 
 def _priority(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
-    try:
-        PRIORITY.check("priority", value)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    PRIORITY.check("priority", value)
 
 
 def _timeout(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
@@ -37,13 +35,18 @@ def _timeout(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
         return
     try:
         TIMEOUT.check("timeout", value)
-    except ValueError as exc:
-        raise InvalidRequest(f"{exc} seconds") from None
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{exc} seconds", field="timeout") from None
 
 
 def _samples(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequest("n must be a positive integer")
+        raise InvalidRequest("n must be a positive integer", field="n")
+
+
+def _context(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
+    if value not in get_args(ContextPolicy):
+        raise InvalidRequest(f"context must be 'refuse' or 'cap', not {value!r}", field="context")
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +64,8 @@ class RequestSpec:
     owner: str | None = attrs.field(default=None, validator=_optional_str)
     #: How many samples of the prompt (OpenAI's `n`): one parent and its children.
     samples: int = attrs.field(default=1, validator=_samples)
+    #: What admission does if the prompt and `max_tokens` overflow the context.
+    context: ContextPolicy = attrs.field(default="cap", validator=_context)
 
     @classmethod
     def build(
@@ -70,7 +75,8 @@ class RequestSpec:
         sampling = {k: v for k, v in options.items() if k not in _OWN_FIELDS}
         unknown = set(sampling) - SamplingParams.fields()
         if unknown:
-            raise InvalidRequest(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
+            names = sorted(unknown)
+            raise InvalidRequest(f"unknown sampling field(s): {', '.join(names)}", field=names[0])
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         return cls(prompt=prompt, params=params, sampling=tuple(sampling.items()), **own)

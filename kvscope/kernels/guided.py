@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvscope.errors import InvalidRequest
 from kvscope.kernels.guide_limits import check_budget, compile_isolated, parser_limits
 from kvscope.params import SamplingParams
 
@@ -91,7 +92,8 @@ class GuideCompiler:
         self._compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._compile_uncached)
 
     def check(self, params: SamplingParams) -> None:
-        """ValueError naming the field if the request's grammar cannot compile."""
+        """`InvalidRequest` about the guide's field if the request's grammar cannot
+        compile."""
         if params.guided:
             self._template(params)
 
@@ -103,17 +105,19 @@ class GuideCompiler:
         return Guide(self._template(params).deep_copy(), self._vocab)
 
     def _template(self, params: SamplingParams) -> Any:
-        """The request's compiled matcher, never advanced: a ValueError if none."""
+        """The request's compiled matcher, never advanced: an `InvalidRequest` about the
+        guide's field if none."""
         if params.guided_json is not None:
-            compiled = self._compile("guided_json", params.guided_json)
+            field, source = "guided_json", params.guided_json
         elif params.guided_regex is not None:
-            compiled = self._compile("guided_regex", params.guided_regex)
+            field, source = "guided_regex", params.guided_regex
         elif params.guided_grammar is not None:
-            compiled = self._compile("guided_grammar", params.guided_grammar)
+            field, source = "guided_grammar", params.guided_grammar
         else:
-            compiled = self._compile("guided_choice", json.dumps(params.guided_choice))
+            field, source = "guided_choice", json.dumps(params.guided_choice)
+        compiled = self._compile(field, source)
         if isinstance(compiled, str):
-            raise ValueError(compiled)
+            raise InvalidRequest(compiled, field=field)
         return compiled
 
     def _compile_uncached(self, field: str, source: str) -> Any:

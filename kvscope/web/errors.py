@@ -1,7 +1,9 @@
 """Errors as JSON: every failure answers `{"error": {"message", "type"}}` with its status.
 
 `ApiError` is what routes raise for HTTP-level problems (401, 404, 409, ...); the
-engine's own errors (`kvscope.errors`) map to statuses in `STATUS_OF`. `register(app)`
+engine's own errors (`kvscope.errors`) map to statuses in `STATUS_OF`, and an
+`InvalidRequest`'s field to the 400's `param` (`from_engine`: as the body names it,
+where a route's body names it otherwise). `register(app)`
 installs the handlers, so no route formats an error itself and no bad input turns into
 a 500: only a bug does, and it is logged with its traceback. Routes under `/v1/`, and
 vLLM's token routes beside them (`OPENAI_SHAPED`), answer in OpenAI's error shape (the
@@ -11,6 +13,7 @@ same object plus `param` and `code`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from quart import (
@@ -78,12 +81,22 @@ _TYPE_OF_STATUS = {
 }
 
 
-def from_engine(exc: engine_errors.KvscopeError, *, retry_after: int = 1) -> ApiError:
-    """The `ApiError` for an engine error."""
+def from_engine(
+    exc: engine_errors.KvscopeError,
+    *,
+    retry_after: int = 1,
+    names: Mapping[str, str] = {},
+    message: str | None = None,
+) -> ApiError:
+    """The `ApiError` for an engine error (with `message` in the place of its own, if
+    given). An `InvalidRequest`'s field is its `param`, renamed by `names` (the engine's
+    name -> the body's) where the body names it otherwise."""
+    field = exc.field if isinstance(exc, engine_errors.InvalidRequest) else None
+    param = names.get(field, field) if field is not None else None
     for cls, (status, type_) in STATUS_OF.items():
         if isinstance(exc, cls):
             headers = {"Retry-After": str(retry_after)} if status == 429 else None
-            return ApiError(status, str(exc), type_, headers=headers)
+            return ApiError(status, message or str(exc), type_, headers=headers, param=param)
     return ApiError(500, str(exc), "internal_error")
 
 

@@ -19,6 +19,7 @@ import logging
 import os
 import shlex
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import anyio
 import attrs
 
 from kvscope.config import EngineConfig
-from kvscope.scheduling import LOOP_PRIORITY
+from kvscope.options import field_help, value_type
 
 from .asgi.cors import CorsPolicy
 from .openai import lora_admin
@@ -54,11 +55,28 @@ SERVED_WORKER = "process"
 SERVED_WORKER_CORES = attrs.fields(EngineConfig).worker_cores.default
 
 
+def add_setting(group: Any, name: str, help: str | None = None, **options: Any) -> None:
+    """The flag of the `ServerSettings` field `name` (`loop_priority` ->
+    `--loop-priority`): the field's default and type, and its `#:` comment as the help
+    unless `help` says otherwise, as `kvscope.options` derives the engine's from
+    `EngineConfig`; so a setting's default is written once, on the settings class."""
+    field = getattr(attrs.fields(ServerSettings), name)
+    kind = value_type(typing.get_type_hints(ServerSettings)[name])
+    text = field_help(ServerSettings).get(name, "") if help is None else help
+    group.add_argument(
+        "--" + name.replace("_", "-"),
+        type=kind,
+        default=field.default,
+        help=f"{text} (default: %(default)s)".lstrip(),
+        **options,
+    )
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that make `ServerSettings` (with vLLM's: `vllm_flags`)."""
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    add_setting(group, "host")
+    add_setting(group, "port", "0 picks a free port")
     group.add_argument(
         "--api-key",
         action="append",
@@ -71,34 +89,26 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a file of bearer keys, one per line (# starts a comment); also KVSCOPE_API_KEY_FILE",
     )
-    group.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=0.0,
-        help="seconds live requests may finish on shutdown",
-    )
-    group.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
-    )
-    group.add_argument(
-        "--tool-call-parser",
-        choices=PARSERS,
-        default=attrs.fields(ServerSettings).tool_call_parser.default,
-        help="how tool_choice auto reads calls: the format the chat template shows, "
+    add_setting(group, "drain_timeout", "seconds live requests may finish on shutdown")
+    add_setting(group, "max_body_bytes", "largest request body (413 past it)")
+    add_setting(
+        group,
+        "tool_call_parser",
+        "how tool_choice auto reads calls: the format the chat template shows, "
         "unless set (vLLM's parsers of these names)",
+        choices=PARSERS,
     )
-    group.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        default=attrs.fields(ServerSettings).reasoning_parser.default,
-        help="tell a thinking model's <think> reasoning from its answer (reasoning_content), "
+    add_setting(
+        group,
+        "reasoning_parser",
+        "tell a thinking model's <think> reasoning from its answer (reasoning_content), "
         "as vLLM's parsers of these names",
+        choices=REASONING_PARSERS,
     )
-    group.add_argument(
-        "--loop-priority",
-        type=int,
-        default=LOOP_PRIORITY,
-        help="the event loop thread's real-time (SCHED_FIFO) priority, 1-99, where the OS "
+    add_setting(
+        group,
+        "loop_priority",
+        "the event loop thread's real-time (SCHED_FIFO) priority, 1-99, where the OS "
         "allows it (CAP_SYS_NICE or RLIMIT_RTPRIO); 0: none",
     )
 

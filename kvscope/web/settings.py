@@ -56,6 +56,7 @@ STATS_LOG_INTERVAL = 10.0
 
 @attrs.frozen(kw_only=True)
 class ServerSettings:
+    #: The address it listens on (0.0.0.0: every interface).
     host: str = "127.0.0.1"
     #: 0 asks the OS for a free port (the bound one is printed and logged).
     port: int = attrs.field(default=8000, validator=[v.ge(0), v.le(65535)])

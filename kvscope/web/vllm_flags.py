@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .asgi.cors import CorsPolicy
+
 #: vLLM's flags that ask for what kvscope always does (or, for remote code, never
 #: needs): accepted, so that a `vllm serve` command line runs as it is.
 ALWAYS = {
@@ -35,19 +37,28 @@ SWITCHES = {
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's `serve` options that kvscope honours, spelled as vLLM spells them."""
     group = parser.add_argument_group("as vllm serve takes them")
+    cors = CorsPolicy()  # the defaults, stated on the policy
     group.add_argument(
         "--allowed-origins",
         nargs="+",
-        default=[],
+        default=list(cors.origins),
         metavar="ORIGIN",
         help="browser origins that may call (CORS): origins, or a JSON list; * for any "
         "(default: none, where vLLM allows any; docs/security.md)",
     )
     group.add_argument(
-        "--allowed-methods", nargs="+", default=["*"], metavar="METHOD", help="(CORS) default *"
+        "--allowed-methods",
+        nargs="+",
+        default=list(cors.methods),
+        metavar="METHOD",
+        help=f"(CORS) default {' '.join(cors.methods)}",
     )
     group.add_argument(
-        "--allowed-headers", nargs="+", default=["*"], metavar="HEADER", help="(CORS) default *"
+        "--allowed-headers",
+        nargs="+",
+        default=list(cors.headers),
+        metavar="HEADER",
+        help=f"(CORS) default {' '.join(cors.headers)}",
     )
     group.add_argument(
         "--allow-credentials", action="store_true", help="(CORS) with cookies and HTTP auth"

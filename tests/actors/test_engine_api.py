@@ -143,6 +143,29 @@ async def test_max_tokens_is_capped_to_the_context():
             await engine.generate(list(range(1, 70)))
 
 
+async def test_the_context_policy_refuses_or_caps():
+    """`context="refuse"` (the OpenAI routes') refuses what "cap" (the default) cuts
+    to the context's end; `engine.fit` says which, by the same rule."""
+    async with open_engine(max_model_len=64) as engine:
+        prompt = list(range(1, 60))
+        assert engine.fit(59, 1000) == 5 and engine.fit(59, 5, "refuse") == 5
+        with pytest.raises(InvalidRequest, match="maximum context length is 64") as caught:
+            await engine.generate(prompt, max_tokens=6, context="refuse")
+        assert caught.value.field == "max_tokens" and "65 tokens" in str(caught.value)
+        with pytest.raises(InvalidRequest) as caught:
+            engine.fit(59, 6, "refuse")
+        assert caught.value.field == "max_tokens"
+        done = await engine.generate(prompt, max_tokens=5, context="refuse", **GREEDY)
+        assert len(done.token_ids) == 5
+        with pytest.raises(InvalidRequest) as caught:
+            await engine.generate(prompt, context="always")
+        assert caught.value.field == "context"
+        # An embedding needs no room after its prompt: the whole context is its own.
+        embedded = await engine.generate(list(range(1, 65)), embed=True, context="refuse")
+        assert embedded.finish_reason == "stop"
+        assert engine.stats()["live_requests"] == 0
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -323,3 +346,37 @@ async def test_an_audit_log_that_cannot_be_written_loses_lines_not_requests() ->
     assert done.finish_reason == "length" and report.found and report.blocks_released > 0
     assert stats["kv_blocks_in_use"] == 0 and stats["tasks"] == 0
     assert [r["id"] for r in engine.audit_records()] == [done.id, job.id]  # kept in memory
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0}, "top_p"),
+        ({"stop": [""]}, "stop"),
+        ({"nonsense": 1}, "nonsense"),
+        ({"timeout": -1}, "timeout"),
+        ({"priority": "high"}, "priority"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"logit_bias": {10**6: 1}}, "logit_bias"),
+        ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"guided_json": {"type": "no-such-type"}}, "guided_json"),
+        ({"lora": "missing"}, "lora"),
+    ],
+)
+async def test_an_invalid_request_carries_its_field(engine: Engine, bad: dict, field: str):
+    with pytest.raises(InvalidRequest) as caught:
+        await engine.generate("x", **bad)
+    assert caught.value.field == field, caught.value
+
+
+async def test_a_prompt_the_model_cannot_take_is_about_the_prompt():
+    async with open_engine(max_model_len=64) as engine:
+        for prompt in ("", [1, 10**6], list(range(1, 70)), list(range(1, 65))):
+            with pytest.raises(InvalidRequest) as caught:
+                await engine.generate(prompt, max_tokens=1)
+            assert caught.value.field == "prompt", caught.value
+        with pytest.raises(InvalidRequest) as caught:
+            await engine.generate(list(range(1, 60)), max_tokens=10, min_tokens=10)
+        assert caught.value.field == "min_tokens", caught.value

@@ -8,10 +8,18 @@ import math
 import pytest
 import torch
 
+from kvscope.errors import InvalidRequest
 from kvscope.kernels.sampling import TOP_P_CANDIDATES, RowState, sample
-from kvscope.params import SamplingParams, field_of
+from kvscope.params import SamplingParams
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
+
+
+def field_of(exc: BaseException) -> str | None:
+    """The field a refusal is about: its `field`, which its message starts with."""
+    assert isinstance(exc, InvalidRequest), repr(exc)
+    assert str(exc).split(" ", 1)[0] == exc.field, (str(exc), exc.field)
+    return exc.field
 
 
 #: Seeded draws per distribution test: five standard deviations of a share are ~1.8 %.

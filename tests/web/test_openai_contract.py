@@ -81,6 +81,51 @@ def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(
         assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 64
 
 
+def test_the_engine_owns_the_context_rule_on_every_openai_route(
+    backend: str, tmp_path: Path
+) -> None:
+    """Admission alone says whether a prompt and `max_tokens` fit (the OpenAI routes
+    ask it to refuse a client's `max_tokens`, to cap their default): each route's 400
+    names the field as its body does, the defaults run to what fits (16 at most for
+    completions), streamed or searched as well."""
+    user = [{"role": "user", "content": "hi"}]
+    with (
+        running_server(backend, tmp_path, max_model_len=64) as live,
+        live.client() as http,
+    ):
+        asks: list[tuple[str, dict[str, Any], str]] = [
+            ("/v1/chat/completions", {"messages": user, "max_tokens": 64}, "max_tokens"),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "x" * 64}]},
+                "messages",
+            ),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 64}, "max_output_tokens"),
+            ("/v1/responses", {"input": "x" * 64}, "input"),
+            ("/v1/completions", {"prompt": "hello", "max_tokens": 64, **SEARCH}, "max_tokens"),
+        ]
+        for path, body, param in asks:
+            answer = http.post(path, json={"model": MODEL, **body})
+            assert answer.status_code == 400, (body, answer.text)
+            assert answer.json()["error"]["param"] == param, (body, answer.text)
+            assert "maximum context length is 64" in answer.json()["error"]["message"]
+        # "x" * 59 is 60 tokens with the BOS: the default 16 is capped to the 4 that fit.
+        body = {"model": MODEL, "prompt": "x" * 59, "temperature": 0, "ignore_eos": True}
+        assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 4
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/v1/completions", json=stream) as response:
+            events = [e for e in sse_events(response.iter_lines()) if e != "[DONE]"]
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        assert events[-1]["usage"]["completion_tokens"] == 4
+        searched = http.post("/v1/completions", json={**body, "n": 2, **SEARCH}).json()
+        assert searched["usage"]["completion_tokens"] == 2 * 4, searched
+        wait_clean(live)
+
+
+#: A beam search's fields (vLLM's).
+SEARCH = {"use_beam_search": True, "temperature": 0.0}
+
+
 def test_any_64_bit_seed(client: openai.OpenAI) -> None:
     texts = [
         client.completions.create(model=MODEL, prompt="seed", max_tokens=6, seed=seed)

@@ -177,3 +177,22 @@ def test_sampling_params_refuses_just_outside_its_own_bounds(name: str) -> None:
 
 def test_the_native_api_takes_every_sampling_params_field() -> None:
     assert set(SAMPLING_FIELDS) == SamplingParams.fields()
+
+
+def test_the_engines_refusal_names_its_field_as_the_body_does(live: Live) -> None:
+    """What only the engine can check (the vocabulary, a field against another) is
+    refused by it, with the field its `InvalidRequest` carries: the 400's `param`, under
+    the body's name for it."""
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    asks: list[tuple[str, dict[str, Any], str]] = [
+        ("completion", {"prompt": [10**9]}, "prompt"),
+        ("completion", {"prompt": "a", "logit_bias": {"1000000": 1}}, "logit_bias"),
+        ("completion", {"prompt": "a", "min_tokens": 2}, "min_tokens"),
+        ("chat", {**chat, "max_completion_tokens": 1, "min_tokens": 2}, "min_tokens"),
+    ]
+    with live.client() as client:
+        for route, body, param in asks:
+            response = client.post(PATHS[route], json={**BASE, **body})
+            assert response.status_code == 400, (body, response.text)
+            assert response.json()["error"]["param"] == param, (body, response.text)
+    wait_clean(live)

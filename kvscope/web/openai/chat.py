@@ -62,7 +62,7 @@ async def chat_prompt(
         text = _cut_after_final(text, plain[-1]["content"])
     # A rendered chat holds its special tokens itself.
     special = engine.loaded.chat_template is None
-    return await engine.encode_text(text, add_special_tokens=special, what="the messages")
+    return await engine.encode_text(text, add_special_tokens=special, field="messages")
 
 
 def chat_size(messages: list[ChatMessage]) -> int:

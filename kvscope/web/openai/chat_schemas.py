@@ -68,7 +68,7 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
     echo: bool = Field(
         False, description="vLLM's: the answer begins with the last message, the assistant's"
     )
-    ENGINE_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs", "prompt": "messages"}
 
     max_completion_tokens: int | None = sampling_field("max_tokens", None)
     #: As a boolean, or (vLLM's, whose pydantic reads it so, and its tests send it) as
@@ -87,6 +87,14 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
     @property
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def engine_names(self) -> dict[str, str]:
+        asked = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        return {**self.ENGINE_NAMES, "max_tokens": asked}
 
     @property
     def echoes(self) -> list[str] | None:

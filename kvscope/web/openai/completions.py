@@ -12,7 +12,8 @@ prompt's sample 0: `DELETE /requests/{id}` cancels that family.
 
 What a body asks is honoured or refused with a 400 naming the field (`param`), never
 ignored: unknown fields, a model this server does not run (404), `max_tokens` beyond
-the context, a non-JSON `Content-Type`, `stream_options` without `stream`,
+the context (the engine refuses it: the call's context policy is "refuse" where the
+client gave `max_tokens`, see `OpenAISampling.limit`), a non-JSON `Content-Type`, `stream_options` without `stream`,
 `prompt_logprobs` with `stream` (as vLLM), `best_of`, `tools` with a stream's
 `logprobs`. `echo` with `logprobs` scores the prompt too (its log-probabilities come
 first, the first token's null, as vLLM's do). Tool calls are `tools.py`'s. Errors are
@@ -35,8 +36,8 @@ from ..parsers.reasoning import NONE as NO_REASONING
 from .chat import chat_prompt
 from .chat_schemas import BatchChatBody, ChatBody
 from .model_names import adapter_of, check_model
-from .prompts import check_batch, completion_prompts, max_tokens, prompt_ids, truncated
-from .run import Plan, complete
+from .prompts import check_batch, completion_prompts, prompt_ids, truncated
+from .run import complete
 from .schemas import CompletionBody, OpenAISampling
 from .tools import ToolPlan
 
@@ -94,8 +95,7 @@ async def completions() -> Any:
         truncated(await prompt_ids(ctx.engine, p, add_special_tokens=special), body)
         for p in completion_prompts(body)
     ]
-    plans = [(ids, max_tokens(ctx.engine, len(ids), body.max_tokens, "prompt")) for ids in prompts]
-    return await complete(ctx, plans, body, chat=False)
+    return await complete(ctx, prompts, body, chat=False)
 
 
 @blueprint.post("/chat/completions")
@@ -108,12 +108,12 @@ async def chat_completions() -> Any:
     begins with the last message, when it is the assistant's)."""
     ctx = server()
     body = await _read(ChatBody)
-    plan, tools = await _chat_plan(ctx, body)
+    prompt, tools = await _chat_plan(ctx, body)
     # JSON (a schema's, a tool's arguments) has no room for reasoning: all of it is the
     # answer. A regex or a choice constrains the whole text, tags and all.
     json_out = body.json_output or tools.guide() is not None
     reasoning = NO_REASONING if json_out else ctx.reasoning
-    return await complete(ctx, [plan], body, chat=True, tools=tools, reasoning=reasoning)
+    return await complete(ctx, [prompt], body, chat=True, tools=tools, reasoning=reasoning)
 
 
 @blueprint.post("/chat/completions/batch")
@@ -126,14 +126,14 @@ async def chat_completions_batch() -> Any:
     body = await _read(BatchChatBody)
     body.check_batch()
     check_batch(len(body.messages), "messages")
-    plans = [(await _chat_plan(ctx, body.conversation(i)))[0] for i in range(len(body.messages))]
+    prompts = [(await _chat_plan(ctx, body.conversation(i)))[0] for i in range(len(body.messages))]
     reasoning = NO_REASONING if body.json_output else ctx.reasoning
-    return await complete(ctx, plans, body, chat=True, reasoning=reasoning)
+    return await complete(ctx, prompts, body, chat=True, reasoning=reasoning)
 
 
-async def _chat_plan(ctx: ServerContext, body: ChatBody) -> tuple[Plan, ToolPlan]:
-    """A chat body's prompt and `max_tokens`, and what its tools ask, once its fields
-    agree (a 400 naming the one that does not)."""
+async def _chat_plan(ctx: ServerContext, body: ChatBody) -> tuple[list[int], ToolPlan]:
+    """A chat body's prompt, and what its tools ask, once its fields agree (a 400
+    naming the one that does not)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = body.tool_plan.reading(ctx.tool_parser)  # a 400 where tools and tool_choice disagree
@@ -153,10 +153,7 @@ async def _chat_plan(ctx: ServerContext, body: ChatBody) -> tuple[Plan, ToolPlan
     prompt = body.forwarded_prompt(ctx.engine.loaded.config.vocab_size)
     if prompt is None:
         prompt = await chat_prompt(ctx.engine, body.messages, body, tools=tools.template_tools())
-    ids = truncated(prompt, body)
-    asked = body.max_completion_tokens or body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    return (ids, max_tokens(ctx.engine, len(ids), asked, "messages", param=param)), tools
+    return truncated(prompt, body), tools
 
 
 # -- reading and checking a body ---------------------------------------------------------

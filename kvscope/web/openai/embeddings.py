@@ -37,12 +37,12 @@ from pydantic import ConfigDict, Field
 from quart import Blueprint
 from quart_schema import document_request
 
-from kvscope import Job
+from kvscope import InvalidRequest, Job
 from kvscope.params import PRIORITY
 
 from ..auth import current_owner
 from ..context import ServerContext, disconnect_reason, server
-from ..errors import ApiError
+from ..errors import ApiError, from_engine
 from ..native.schemas import bounded_field
 from .chat import chat_prompt
 from .chat_schemas import ChatMessage, ChatTemplateOptions
@@ -166,17 +166,20 @@ async def embed_inputs(
         inputs.append(ids)
     jobs: list[Job] = []
     try:
-        for ids in inputs:
-            jobs.append(
-                await engine.submit(
-                    ids,
-                    embed=True,
-                    max_tokens=1,
-                    priority=priority,
-                    owner=current_owner(),
-                    lora=lora,
+        for ids, field in zip(inputs, fields, strict=True):
+            try:
+                jobs.append(
+                    await engine.submit(
+                        ids,
+                        embed=True,
+                        max_tokens=1,
+                        priority=priority,
+                        owner=current_owner(),
+                        lora=lora,
+                    )
                 )
-            )
+            except InvalidRequest as exc:  # its prompt is the body's `field`
+                raise from_engine(exc, names={"prompt": field, "lora": "model"}) from None
         results = [await job.wait() for job in jobs]
     finally:
         if not all(job.done for job in jobs):

@@ -1,10 +1,10 @@
-"""The prompts of an OpenAI call as token ids, and the context rule for `max_tokens`.
+"""The prompts of an OpenAI call as token ids.
 
 A completions `prompt` is text, token ids, or a batch of either (at most `MAX_BATCH`);
 each becomes a list of token ids (text tokenized off the loop when big), cut to its
-last `truncate_prompt_tokens` if asked. `max_tokens` must leave the prompt and the completion
-inside the model's context, or the call is a 400 naming both numbers (OpenAI's wording);
-unset, it is what fits (chat) or 16 (completions).
+last `truncate_prompt_tokens` if asked. Whether a prompt and `max_tokens` fit the
+model's context is the engine's to say (admission's `fit`, under the call's context
+policy: `OpenAISampling.limit`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ Prompt = str | list[int]
 #: tokenized before any runs, on the event loop when short, so the count bounds a call's
 #: time there (a 1 MiB body holds ~250,000 one-letter prompts).
 MAX_BATCH = 2048
-#: The default `max_tokens` of `/v1/completions` (OpenAI's); chat's is what fits.
-COMPLETION_MAX_TOKENS = 16
 
 
 def batch(
@@ -63,9 +61,7 @@ async def prompt_ids(
         if not prompt:
             raise ApiError(400, f"the {param} is empty", param=param)
         # Valid Unicode, at most max_prompt_bytes, and tokenized off the loop when big.
-        return await engine.encode_text(
-            prompt, add_special_tokens=add_special_tokens, what=f"the {param}"
-        )
+        return await engine.encode_text(prompt, add_special_tokens=add_special_tokens, field=param)
     if not prompt:
         raise ApiError(400, f"the {param} is empty", param=param)
     return prompt  # the engine checks each id against the vocabulary
@@ -78,30 +74,3 @@ def truncated(ids: list[int], body: OpenAISampling) -> list[int]:
     if keep is None:
         return ids
     return ids[:keep] if body.truncation_side == "right" else ids[-keep:]
-
-
-def max_tokens(
-    engine: Engine, prompt_len: int, asked: int | None, what: str, *, param: str = "max_tokens"
-) -> int:
-    """`asked` if prompt and completion fit the context, else a 400 naming both numbers;
-    unset, the default (what fits, for chat; 16 or what fits, for completions)."""
-    limit = engine.max_model_len
-    if prompt_len >= limit:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens; "
-            f"the {what} has {prompt_len} tokens, leaving none for the completion.",
-            param=what,
-        )
-    if asked is None:
-        room = limit - prompt_len
-        return min(room, COMPLETION_MAX_TOKENS) if what == "prompt" else room
-    if prompt_len + asked > limit:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + asked} tokens ({prompt_len} in the {what}, {asked} for the "
-            f"completion). Please reduce the length of the {what} or of {param}.",
-            param=param,
-        )
-    return asked

@@ -7,8 +7,9 @@ client goes away meanwhile, the `finally` cancels them (reason `disconnect`). A 
 (`stream`) answers the chunks as the samples produce them, then the usage chunk
 if asked and `[DONE]`; closing it cancels every sample (`StreamBody`).
 
-A sampling field the engine refuses is a 400 naming it; a `logit_bias` with bad
-entries names each of them (as vLLM's does), each checked by `SamplingParams`' own rule.
+A sampling field the engine refuses (its `InvalidRequest` carries the field) is a 400
+naming it as the body does (`refused`); a `logit_bias` with bad entries names each of
+them (as vLLM's does), each checked by `SamplingParams`' own rule.
 """
 
 from __future__ import annotations
@@ -18,16 +19,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import anyio
-
-from kvscope import BeamSearchParams, Completion, Engine, Job
+from kvscope import BeamSearchParams, Completion, Engine, InvalidRequest, Job
 from kvscope.beam_search import beam_search as search_beams
 from kvscope.beam_search import gather
-from kvscope.params import GUIDES, SamplingParams, field_of
+from kvscope.params import GUIDES, SamplingParams
 
 from ..auth import current_owner
 from ..context import ServerContext, disconnect_reason
-from ..errors import ApiError
+from ..errors import ApiError, from_engine
 from ..parsers.reasoning import NONE as NO_REASONING
 from ..parsers.reasoning import ReasoningParser
 from ..sse import StreamBody, sse_response
@@ -37,38 +36,30 @@ from .schemas import OpenAISampling
 from .stream import StreamSetup, stream_chunks
 from .tools import ToolPlan
 
-Plan = tuple[list[int], int]  # a prompt's token ids and its max_tokens
+
+def body_names(guide_field: str, names: Mapping[str, str] = {}) -> dict[str, str]:
+    """The body's names of the engine's fields where they differ: every guide is
+    `guide_field` (the field the client constrained the output with, under its own
+    name), the adapter is the `model` that named it, and `names` the others."""
+    return {**dict.fromkeys(GUIDES, guide_field), "lora": "model", **names}
 
 
-async def check_sampling(engine: Engine, body: OpenAISampling, max_tokens: int) -> dict[str, Any]:
-    """The body's `SamplingParams` kwargs, checked here so a bad one names its field."""
+def sampling_names(body: OpenAISampling) -> dict[str, str]:
     given = body.guide_fields  # what the client sent; else a tool call's schema
-    kwargs = body.sampling(max_tokens) | {"lora": adapter_of(engine, body.model)}
-    return await check_params(engine, kwargs, given[0] if given else "tools", body.ENGINE_NAMES)
+    return body_names(given[0] if given else "tools", body.engine_names())
 
 
-async def check_params(
-    engine: Engine, kwargs: dict[str, Any], guide_field: str, names: Mapping[str, str] = {}
-) -> dict[str, Any]:
-    """`kwargs` once they make valid `SamplingParams` for `engine`'s model: else a 400
-    naming the field (`guide_field` for the grammar, which the client sent under its
-    own name; `names` the body's names of other fields). A grammar compiles in a worker
-    thread (a large schema can take a while), into the cache the engine then reads."""
-    vocab_size = engine.loaded.config.vocab_size
-    try:
-        params = SamplingParams(**kwargs)
-        params.check_vocab(vocab_size, engine.config.max_logprobs)
-        if params.guided:
-            await anyio.to_thread.run_sync(engine.guides.check, params)
-    except ValueError as exc:
-        param, message = field_of(exc), str(exc)
-        bias = kwargs.get("logit_bias")
-        if param == "logit_bias" and isinstance(bias, Mapping):
-            work = functools.partial(logit_bias_errors, bias, vocab_size)
-            message = await engine.run_off_loop(len(bias) * BIAS_ENTRY_BYTES, work) or message
-        param = guide_field if param in GUIDES else names.get(param or "", param)
-        raise ApiError(400, message, param=param) from None
-    return kwargs
+async def refused(
+    engine: Engine, exc: InvalidRequest, names: Mapping[str, str], bias: object = None
+) -> ApiError:
+    """The 400 for the engine's refusal of a call: its field as the body names it
+    (`names`, engine -> body). A refused `logit_bias` (the body's `bias`) names each of
+    its bad entries, checked off the event loop when there are many."""
+    message = None
+    if exc.field == "logit_bias" and isinstance(bias, Mapping):
+        work = functools.partial(logit_bias_errors, bias, engine.loaded.config.vocab_size)
+        message = await engine.run_off_loop(len(bias) * BIAS_ENTRY_BYTES, work) or None
+    return from_engine(exc, names=names, message=message)
 
 
 #: About the bytes of one `logit_bias` entry: its share of a body (so a large one is
@@ -94,42 +85,52 @@ def logit_bias_errors(bias: Mapping[Any, Any], vocab_size: int) -> str:
 
 
 async def start(
-    ctx: ServerContext, plans: list[Plan], body: OpenAISampling, tools: ToolPlan | None = None
+    ctx: ServerContext,
+    prompts: list[list[int]],
+    body: OpenAISampling,
+    tools: ToolPlan | None = None,
 ) -> list[Job]:
-    """Each prompt's `n` samples as one family, in choice order."""
+    """Each prompt's `n` samples as one family, in choice order; a 400 naming the
+    field (as the body does) if the engine refuses one, a prompt and `max_tokens` that
+    overflow the context included (`body.limit`)."""
     jobs: list[Job] = []
-    checked = [await check_sampling(ctx.engine, body, max_tokens) for _ids, max_tokens in plans]
+    max_tokens, context = body.limit
+    sampling = body.sampling(max_tokens) | {"lora": adapter_of(ctx.engine, body.model)}
     overrides = tools.sampling_overrides() if tools is not None else {}
     try:
-        for (ids, _max), sampling in zip(plans, checked, strict=True):
+        for ids in prompts:
             jobs += await ctx.engine.submit_samples(
                 ids,
                 n=body.n,
                 priority=body.priority,
                 owner=current_owner(),
+                context=context,
                 **(sampling | overrides),
             )
-    except BaseException:
+    except BaseException as exc:
         cancel_all(ctx, jobs, "disconnect")
+        if isinstance(exc, InvalidRequest):
+            names = sampling_names(body)
+            raise await refused(ctx.engine, exc, names, body.logit_bias) from None
         raise
     return jobs
 
 
 async def beam_search(
-    ctx: ServerContext, plans: list[Plan], body: OpenAISampling
+    ctx: ServerContext, prompts: list[list[int]], body: OpenAISampling
 ) -> list[Completion]:
     """Each prompt's `n` best beams, in choice order (the prompts searched at once).
     The searches run in this call's scope: a client that goes away cancels them."""
     if refusal := body.beam_search_refusal():
         raise ApiError(400, refusal[0], param=refusal[1])
-    for _ids, max_tokens in plans:  # the sampling fields' own checks, as for a sample
-        await check_sampling(ctx.engine, body, max_tokens)
     temperature = body.temperature if "temperature" in body.model_fields_set else 0.0
+    max_tokens, context = body.limit
 
-    def search(ids: list[int], max_tokens: int) -> Callable[[], Awaitable[list[Completion]]]:
+    def search(ids: list[int]) -> Callable[[], Awaitable[list[Completion]]]:
         params = BeamSearchParams(
             beam_width=body.n,
             max_tokens=max_tokens,
+            context=context,
             temperature=temperature,
             length_penalty=body.length_penalty,
             ignore_eos=body.ignore_eos,
@@ -141,7 +142,10 @@ async def beam_search(
         )
         return functools.partial(search_beams, ctx.engine, ids, params)
 
-    found = await gather([search(ids, max_tokens) for ids, max_tokens in plans])
+    try:
+        found = await gather([search(ids) for ids in prompts])
+    except InvalidRequest as exc:
+        raise await refused(ctx.engine, exc, sampling_names(body)) from None
     return [beam for beams in found for beam in beams]
 
 
@@ -161,7 +165,7 @@ def cancel_all(ctx: ServerContext, jobs: list[Job], reason: str) -> None:
 
 async def complete(
     ctx: ServerContext,
-    plans: list[Plan],
+    prompts: list[list[int]],
     body: OpenAISampling,
     *,
     chat: bool,
@@ -173,20 +177,20 @@ async def complete(
     (`reasoning_content`) from its answer, the content, in which its tool calls are
     read."""
     as_ids = ctx.settings.return_tokens_as_token_ids
-    view = Choices(ctx.engine, body, [ids for ids, _ in plans], chat=chat, as_ids=as_ids)
+    view = Choices(ctx.engine, body, prompts, chat=chat, as_ids=as_ids)
     model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
     details = ctx.settings.prompt_tokens_details
     if body.use_beam_search:
-        results = await beam_search(ctx, plans, body)
+        results = await beam_search(ctx, prompts, body)
     else:
-        jobs = await start(ctx, plans, body, tools)
+        jobs = await start(ctx, prompts, body, tools)
         if body.stream:
             fmt = ChunkFormat(jobs[0].id, int(time.time()), model, chat=chat)
             force = ctx.settings.force_include_usage
             setup = StreamSetup(
                 body, view, fmt, tools, reasoning, details=details, force_usage=force
             )
-            chunks = stream_chunks(jobs, setup, [max_tokens for _ids, max_tokens in plans])
+            chunks = stream_chunks(jobs, setup)
             ids = [job.id for job in reversed(jobs)]
             return sse_response(StreamBody(ctx, chunks, cancel_ids=ids), jobs[0].id)
         results = await wait_all(ctx, jobs)
@@ -204,7 +208,7 @@ async def complete(
     if chat:  # vLLM's place for the one prompt's: the answer's, null unless asked
         answer["prompt_logprobs"] = view.vllm_prompt_logprobs(0, results[0].prompt_logprobs)
         # The one prompt's; a batch of chats has no one prompt (vLLM's: null).
-        answer["prompt_token_ids"] = view.returned_ids(0, ())[0] if len(plans) == 1 else None
+        answer["prompt_token_ids"] = view.returned_ids(0, ())[0] if len(prompts) == 1 else None
     return answer, 200, {"X-Request-Id": results[0].id}
 
 

@@ -22,7 +22,14 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope.beam_search import MAX_BEAM_WIDTH
-from kvscope.params import GENERATION_DEFAULTED, MAX_LOGIT_BIAS, PRIORITY, SamplingParams
+from kvscope.params import (
+    GENERATION_DEFAULTED,
+    MAX_LOGIT_BIAS,
+    PRIORITY,
+    TO_THE_CONTEXT_END,
+    ContextPolicy,
+    SamplingParams,
+)
 
 from ..native.schemas import bounded_field, sampling_field
 from .options import ResponseFormat, StreamOptions, StructuredOutputs
@@ -85,6 +92,8 @@ class OpenAISampling(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     #: The body's names of `SamplingParams` fields it spells otherwise (its 400s name them).
     ENGINE_NAMES: ClassVar[dict[str, str]] = {}
+    #: `max_tokens` where the client gives none (capped by the engine to what fits).
+    DEFAULT_MAX_TOKENS: ClassVar[int] = TO_THE_CONTEXT_END
 
     model: str | None = None
     max_tokens: int | None = sampling_field("max_tokens", None)
@@ -154,6 +163,23 @@ class OpenAISampling(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        """The completion's length the client asked for, if it did."""
+        return self.max_tokens
+
+    @property
+    def limit(self) -> tuple[int, ContextPolicy]:
+        """The `max_tokens` the engine is asked for and its context policy: the client's
+        own is refused where the prompt leaves it no room (OpenAI's 400, as vLLM's); the
+        default (`DEFAULT_MAX_TOKENS`) is capped to what fits."""
+        asked = self.asked_max_tokens
+        return (self.DEFAULT_MAX_TOKENS, "cap") if asked is None else (asked, "refuse")
+
+    def engine_names(self) -> dict[str, str]:
+        """The body's names of the engine's fields where they differ (`ENGINE_NAMES`)."""
+        return dict(self.ENGINE_NAMES)
 
     def sampling(self, max_tokens: int) -> dict[str, Any]:
         """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i).
@@ -254,6 +280,9 @@ class OpenAISampling(BaseModel):
 
 class CompletionBody(OpenAISampling):
     """`POST /v1/completions`: a prompt as text or token ids, or a batch of them."""
+
+    #: OpenAI's default (chat's is what fits).
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16
 
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     prompt_embeds: str | list[Any] | None = Field(

@@ -68,11 +68,10 @@ class ChoiceStream:
     """One choice's chunks, from its deltas and its end. It has `finished` once its
     `finish_reason` went out."""
 
-    def __init__(
-        self, setup: StreamSetup, index: int, job: Job, prompt_tokens: int, max_tokens: int
-    ) -> None:
+    def __init__(self, setup: StreamSetup, index: int, job: Job, prompt_tokens: int) -> None:
         self.setup, self.index, self.job = setup, index, job
-        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        # As admitted: capped to the context where the call left max_tokens unset.
+        self.prompt_tokens, self.max_tokens = prompt_tokens, job.params.max_tokens
         self.tokens = 0  # tokens read so far
         self.chars = 0  # characters of text read so far
         self.offset = setup.view.first_offset(index)  # where the next token's text starts
@@ -262,16 +261,10 @@ class ChoiceStream:
         return b"".join(p if isinstance(p, bytes) else self._framed(p) for p in pieces)
 
 
-async def stream_chunks(
-    jobs: list[Job], setup: StreamSetup, max_tokens: Sequence[int]
-) -> AsyncGenerator[bytes, None]:
-    """The SSE chunks of the samples as they arrive (`max_tokens` is each prompt's),
-    the usage chunk if asked, `[DONE]`."""
+async def stream_chunks(jobs: list[Job], setup: StreamSetup) -> AsyncGenerator[bytes, None]:
+    """The SSE chunks of the samples as they arrive, the usage chunk if asked, `[DONE]`."""
     n, prompts = setup.body.n, setup.view.prompts
-    choices = [
-        ChoiceStream(setup, i, job, len(prompts[i // n]), max_tokens[i // n])
-        for i, job in enumerate(jobs)
-    ]
+    choices = [ChoiceStream(setup, i, job, len(prompts[i // n])) for i, job in enumerate(jobs)]
     if opening := b"".join(choice.opening() for choice in choices):
         yield opening
     unfinished, last = len(choices), b""

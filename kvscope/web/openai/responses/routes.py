@@ -36,7 +36,8 @@ from quart import Blueprint, current_app, request
 from quart.blueprints import BlueprintSetupState
 from quart_schema import document_request
 
-from kvscope import Job
+from kvscope import InvalidRequest, Job
+from kvscope.params import TO_THE_CONTEXT_END, ContextPolicy
 
 from ...auth import current_owner
 from ...context import ServerContext, disconnect_reason, server
@@ -48,8 +49,7 @@ from ..chat import chat_prompt, chat_size
 from ..chat_schemas import ChatMessage, ChatTemplateOptions
 from ..completions import read_openai_body
 from ..model_names import adapter_of
-from ..prompts import max_tokens
-from ..run import check_params
+from ..run import body_names, refused
 from ..tools import ToolPlan
 from .format import ResponseEvents
 from .ids import response_id
@@ -58,6 +58,9 @@ from .store import ResponseStore, StoredResponse
 from .view import ResponseView
 
 blueprint = Blueprint("responses", __name__, url_prefix="/v1")
+
+#: The body's names of the engine's fields where they differ.
+RESPONSES_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens", "prompt": "input"}
 
 #: Where the app keeps its `ResponseStore`.
 STORE = "kvscope.responses"
@@ -100,16 +103,8 @@ async def create_response() -> Any:
         while len(prompt) + room > ctx.engine.max_model_len and len(messages) > 1:
             messages = _without_oldest_turn(messages)
             prompt = await _rendered(ctx, system + messages, plan)
-    limit = max_tokens(
-        ctx.engine, len(prompt), body.max_output_tokens, "input", param="max_output_tokens"
-    )
-    schema_field = "text" if body.text_format.type != "text" else "tools"
-    lora = adapter_of(ctx.engine, body.model)
-    kwargs = body.sampling(limit) | {"lora": lora}
-    sampling = await check_params(ctx.engine, kwargs, schema_field, {"logprobs": "top_logprobs"})
-    sampling |= plan.sampling_overrides()
-    job = await ctx.engine.submit(prompt, priority=body.priority, owner=owner, **sampling)
-    model = lora or ctx.engine.model_name
+    job = await _submit(ctx, body, prompt, plan, owner)
+    model = adapter_of(ctx.engine, body.model) or ctx.engine.model_name
     view = ResponseView(
         response_id(job.id),
         body,
@@ -135,6 +130,25 @@ async def create_response() -> Any:
         if not job.done:
             ctx.engine.cancel_nowait(job.id, reason=disconnect_reason())
     return entry.current(), 200, headers
+
+
+async def _submit(
+    ctx: ServerContext, body: ResponsesBody, prompt: list[int], plan: ToolPlan, owner: str | None
+) -> Job:
+    """The response's request. The client's `max_output_tokens` is refused where the
+    input leaves it no room (OpenAI's 400); unset, the answer runs to the context's end
+    (admission's rule). A refusal names the field as the body does."""
+    asked = body.max_output_tokens
+    context: ContextPolicy = "cap" if asked is None else "refuse"
+    sampling = body.sampling(asked or TO_THE_CONTEXT_END)
+    sampling |= {"lora": adapter_of(ctx.engine, body.model)} | plan.sampling_overrides()
+    try:
+        return await ctx.engine.submit(
+            prompt, priority=body.priority, owner=owner, context=context, **sampling
+        )
+    except InvalidRequest as exc:
+        schema_field = "text" if body.text_format.type != "text" else "tools"
+        raise await refused(ctx.engine, exc, body_names(schema_field, RESPONSES_NAMES)) from None
 
 
 async def _rendered(
