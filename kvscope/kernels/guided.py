@@ -39,7 +39,42 @@ CACHE_SIZE = 128
 #: with newlines until it runs out of tokens.
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
+#: Where a JSON schema holds more schemas: keywords whose value is a schema or a list
+#: of them, and keywords whose value maps names to schemas.
+_SUBSCHEMAS = (
+    "additionalProperties", "unevaluatedProperties", "propertyNames", "contains",
+    "additionalItems", "unevaluatedItems", "not", "if", "then", "else", "items",
+    "prefixItems", "allOf", "anyOf", "oneOf",
+)  # fmt: skip
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
 _live: weakref.WeakSet[Guide] = weakref.WeakSet()
+
+
+def closed_objects(source: str) -> str:
+    """`source`, a JSON schema, with `additionalProperties: false` in each object
+    schema that lists its properties and says nothing of others: vLLM's default (its
+    xgrammar backend's strict mode; its guidance backend's rewrite is this one), so an
+    answer holds only the keys the schema names. Walked without recursion: the budget
+    admits schemas deeper than Python's stack."""
+    schema = json.loads(source)
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        pending += [node.get(key) for key in _SUBSCHEMAS]
+        pending += [sub for key in _SCHEMA_MAPS if isinstance(node.get(key), dict)
+                    for sub in node[key].values()]  # fmt: skip
+        named = isinstance(node.get("properties"), dict) or isinstance(
+            node.get("patternProperties"), dict
+        )
+        if named and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    return json.dumps(schema)
 
 
 def live_guides() -> int:
@@ -138,7 +173,9 @@ class GuideCompiler:
         matcher = llguidance.LLMatcher
         try:
             if field == "guided_json":
-                grammar = matcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+                grammar = matcher.grammar_from_json_schema(
+                    closed_objects(source), defaults=JSON_OPTIONS
+                )
             elif field == "guided_regex":
                 grammar = matcher.grammar_from_regex(source)
             elif field == "guided_grammar":

@@ -15,8 +15,13 @@ has it:
    fetch cut short, never leave a half-written file where the next start looks.
 
 Where the index cannot be reached, `ModelLoadError` says so and names what serves
-offline (the bundled toy model, or a file given by path). Any other name is returned
-as it is (a path, `bundled`, `tiny-random`).
+offline (the bundled toy model, or a file given by path).
+
+A Hugging Face id (`org/name`, not a path here) that the local Hugging Face hub cache
+holds (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, as
+`huggingface_hub` lays it out) is served from its snapshot, as `vllm serve org/name`
+does offline; kvscope downloads nothing from a hub. Any other name is returned as it
+is (a path, `bundled`, `tiny-random`).
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def resolve_model(name: str) -> str:
     unchanged."""
     known = KNOWN_MODELS.get(name)
     if known is None:
-        return name
+        snapshot = hub_snapshot(name)
+        return str(snapshot) if snapshot is not None else name
     installed = _installed_file(known)
     if installed is not None:
         return str(installed)
@@ -83,6 +89,32 @@ def resolve_model(name: str) -> str:
     if not cached.is_file():
         _fetch(name, known, cached)
     return str(cached)
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, where `huggingface_hub` looks for it."""
+    if explicit := os.environ.get("HF_HUB_CACHE"):
+        return Path(explicit)
+    home = os.environ.get("HF_HOME")
+    return (Path(home) if home else Path.home() / ".cache" / "huggingface") / "hub"
+
+
+def hub_snapshot(name: str) -> Path | None:
+    """The snapshot of the Hugging Face id `name` (`org/name`) in the hub cache that
+    its `main` ref names; None if `name` is a path here, not such an id, or not there."""
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or Path(name).exists() or name.startswith("."):
+        return None
+    repo = hub_cache() / f"models--{parts[0]}--{parts[1]}"
+    try:
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / revision
+    if not (snapshot / "config.json").is_file():
+        return None
+    log.info("%s: the Hugging Face cache's snapshot %s", name, snapshot)
+    return snapshot
 
 
 def _installed_file(known: KnownModel) -> Path | None:

@@ -26,6 +26,7 @@ from . import auth, errors
 from .asgi.cors import Cors
 from .asgi.fast_path import FastPath
 from .asgi.guard import BodyGuard
+from .asgi.root_path import RootPath
 from .context import ServerContext, server
 from .native import jobs, streaming, websocket
 from .openai import completions, embeddings, lora_admin, sagemaker, scores, tokens
@@ -77,6 +78,8 @@ def create_app(
     app.asgi_app = BodyGuard(FastPath(app.asgi_app, context), settings)  # type: ignore[method-assign,assignment]
     if settings.cors.enabled:  # in front of the guard: a preflight carries no key
         app.asgi_app = Cors(app.asgi_app, settings.cors)  # type: ignore[method-assign,assignment]
+    if settings.root_path:  # outermost: every layer below sees the path without it
+        app.asgi_app = RootPath(app.asgi_app, settings.root_path)  # type: ignore[method-assign,assignment]
     routes = (
         jobs,
         streaming,

@@ -91,6 +91,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_setting(group, "drain_timeout", "seconds live requests may finish on shutdown")
     add_setting(group, "max_body_bytes", "largest request body (413 past it)")
+    add_setting(group, "root_path")
     add_setting(
         group,
         "tool_call_parser",
@@ -146,6 +147,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
         model_path=args.model,
+        root_path=args.root_path,
     )
 
 

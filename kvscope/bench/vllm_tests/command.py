@@ -17,6 +17,7 @@ from pathlib import Path
 from ..core import machine
 from ..core.servers import DEFAULT_VLLM_PYTHON
 from . import models, results, runner, sdist, selection
+from .pytest_plugin import AS_NAMED
 
 #: Where the sdist, its tests, the Hugging Face home, the adapter and the logs live.
 CACHE = Path.home() / ".cache" / "kvscope" / "vllm-tests"
@@ -49,7 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the python of vLLM's virtualenv (default: $KVSCOPE_VLLM_PYTHON or "
         "/root/vllm-venv/bin/python)",
     )
-    p.add_argument("--model", default="smollm2", help="what `kvscope serve` loads")
+    p.add_argument(
+        "--model",
+        default=AS_NAMED,
+        help="what `kvscope serve` loads (default: the model each test names, which the "
+        "harness's Hugging Face cache holds as SmolLM2's checkpoint, the one vLLM "
+        "serves; smollm2: the Q4_1 GGUF file)",
+    )
     p.add_argument(
         "--kvscope-args",
         default="",

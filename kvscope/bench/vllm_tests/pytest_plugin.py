@@ -5,9 +5,9 @@ nothing of kvscope: the harness hands it its settings as JSON in one environment
 variable (`SETTINGS_ENV`). It adapts the launch and the fixtures, never an assert:
 
 * `RemoteOpenAIServer` (vLLM's `tests/utils.py`) starts the server under test where it
-  would start `vllm serve MODEL ARGS`: for kvscope, `kvscope serve KVSCOPE_MODEL` with
-  the flags of ARGS that `kvscope serve` takes and the test's model name as
-  `--served-model-name`; for vLLM, `vllm serve` as the test wrote it (as its API
+  would start `vllm serve MODEL ARGS`: for kvscope, `kvscope serve MODEL` (or the
+  harness's `--model` instead) with the flags of ARGS that `kvscope serve` takes and
+  the test's model name as `--served-model-name`; for vLLM, `vllm serve` as the test wrote it (as its API
   server module). Either way the
   model a test names resolves to SmolLM2 through the harness's Hugging Face home.
 * The LoRA fixtures, which download a named adapter (one the hub cache does not hold),
@@ -26,6 +26,8 @@ import subprocess
 import sys
 from typing import Any
 
+#: `kvscope_model` for "the model each test names" (found in the harness's hub cache).
+AS_NAMED = "as-named"
 #: The module `vllm serve` runs.
 VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
 
@@ -80,7 +82,9 @@ def kvscope_argv(
     kept, dropped = split_flags(vllm_args, settings["accepted_flags"])
     if "--served-model-name" not in kept:
         kept += ["--served-model-name", model]
-    argv = [*settings["serve"], settings["kvscope_model"], *kept, *settings["kvscope_args"]]
+    # As named: kvscope finds the name in the harness's hub cache, as vLLM does.
+    served = model if settings["kvscope_model"] == AS_NAMED else settings["kvscope_model"]
+    argv = [*settings["serve"], served, *kept, *settings["kvscope_args"]]
     return argv, dropped
 
 

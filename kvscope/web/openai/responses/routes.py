@@ -180,7 +180,8 @@ def _check(ctx: ServerContext, body: ResponsesBody) -> None:
     if not body.input:
         raise ApiError(400, "the input is empty", param="input")
     if body.background and not body.store:
-        raise ApiError(400, "background needs store: true", param="background")
+        # vLLM's words (its tests match them).
+        raise ApiError(400, "background can only be used when `store` is true", param="background")
     if body.top_logprobs is not None and body.logprobs_wanted is None:
         raise ApiError(
             400,
@@ -306,8 +307,8 @@ async def cancel_response(response_id: str) -> Any:
     if not entry.view.body.background:
         raise ApiError(
             400,
-            "only a background response can be cancelled here; DELETE /requests/{id} "
-            "(its X-Request-Id) cancels any",
+            "Cannot cancel a synchronous response: only a background response is cancelled "
+            "here; DELETE /requests/{id} (its X-Request-Id) cancels any",
             param="response_id",
         )
     await _cancel(entry.job)

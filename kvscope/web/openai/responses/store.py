@@ -101,7 +101,7 @@ class ResponseStore:
         if entry is None or (self._keys and entry.owner != owner):
             raise ApiError(
                 404,
-                f"no stored response {response_id!r}",
+                f"Response with id {response_id!r} not found.",  # vLLM's words
                 "not_found_error",
                 param=param,
             )
