@@ -62,7 +62,7 @@ class Sequence:
         "num_preemptions",
         "cache_salt",
         "draft",
-        "ngrams",
+        "drafter",
     )
 
     def __init__(
@@ -102,9 +102,9 @@ class Sequence:
         #: Tokens proposed for its next step to verify (speculative decoding,
         #: `speculation.py`); not part of `tokens` until accepted.
         self.draft: list[int] = []
-        #: Its n-grams' last places, for the drafts (`speculation.NgramIndex`); None
-        #: until it first speculates.
-        self.ngrams: Any = None
+        #: Its n-grams' last places and its next draft's length
+        #: (`speculation.RowDrafter`); None until it first speculates.
+        self.drafter: Any = None
         # A child shares its parent's blocks for their common prefix (fork); it waits
         # for the parent to compute that prefix rather than computing it twice.
         self.fork_from = fork_from

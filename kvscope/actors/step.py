@@ -254,7 +254,7 @@ class StepActor:
         if draft:
             accepted = token.drafted if token is not None else ()
             if self.speculation is not None:
-                self.speculation.record(len(draft), len(accepted))
+                self.speculation.record(seq, len(draft), len(accepted))
             for taken, drafted in enumerate(accepted):
                 seq.owner.deliver(drafted)  # appended to `seq.tokens` before it counts
                 self.tokens_generated += 1

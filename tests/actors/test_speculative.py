@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 
-from kvscope.actors.speculation import INDEXED_PER_STEP, NgramIndex, propose_ngram
+from kvscope.actors.speculation import INDEXED_PER_STEP, NgramIndex, RowDrafter, propose_ngram
 from kvscope.config import EngineConfig, SpeculativeConfig
 from kvscope.kernels.quantized import DOT_ROWS
 
@@ -60,6 +60,18 @@ def test_a_long_row_is_indexed_over_several_steps_then_proposes_as_a_scan_would(
     assert index.propose(row, 4) == [] and index.propose(row, 4) == []
     for grown in (row, row + [7], row + [7, 3]):  # caught up, then a token a step
         assert index.propose(grown, 4) == propose_ngram(grown, 4, 1, 3) != []
+
+
+def test_a_row_drafts_less_while_its_drafts_are_cut_and_more_once_taken_whole() -> None:
+    drafter = RowDrafter(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    row = [1, 2, 3, 4, 5, 6, 7, 1]  # [1] recurs: 2, 3, 4, ... follow it
+    assert drafter.propose(row, 10) == [2, 3, 4, 5]  # num_speculative_tokens at first
+    lengths = []
+    for drafted, accepted in [(4, 0), (1, 1), (2, 2), (4, 1), (2, 2)]:
+        drafter.verified(drafted, accepted)
+        lengths.append(len(drafter.propose(row, 10)))
+    assert lengths == [1, 2, 4, 2, 4]
+    assert len(drafter.propose(row, 3)) == 3  # never past the room it is given
 
 
 def test_the_config_as_vllm_writes_it() -> None:
