@@ -79,7 +79,7 @@ def create_app(
     if settings.cors.enabled:  # in front of the guard: a preflight carries no key
         app.asgi_app = Cors(app.asgi_app, settings.cors)  # type: ignore[method-assign,assignment]
     if settings.root_path:  # outermost: every layer below sees the path without it
-        app.asgi_app = RootPath(app.asgi_app, settings.root_path)  # type: ignore[method-assign,assignment]
+        app.asgi_app = RootPath(app.asgi_app, settings.root_path)  # type: ignore[method-assign,assignment,arg-type]
     routes = (
         jobs,
         streaming,

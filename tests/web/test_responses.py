@@ -446,7 +446,9 @@ def test_what_cannot_hold_is_refused_naming_its_field(
         for method in ("GET", "DELETE"):
             missing = http.request(method, "/v1/responses/resp_nothing")
             assert missing.status_code == 404
-            assert missing.json()["error"]["message"] == "Response with id 'resp_nothing' not found."
+            assert (
+                missing.json()["error"]["message"] == "Response with id 'resp_nothing' not found."
+            )
         assert http.post("/v1/responses/resp_nothing/cancel").status_code == 404
     wait_clean(live)
 
