@@ -101,6 +101,7 @@ class ProcessRunner:
         self._lock = threading.Lock()  # guards the four above; held for a whole step
         self._changed = threading.Condition(self._lock)  # a worker is ready, or none will be
         self._stopping = False
+        self._starting: Any = None  # a worker not ready yet: `stop` kills it (it holds nothing)
         self._gave_up = False  # a worker failed to start: no other is coming
         self._local_ran = False  # the engine's copy ran steps: the cache holds their K/V
         self.restarts = 0
@@ -249,10 +250,14 @@ class ProcessRunner:
             raise WorkerDied(f"the model worker failed to start: cannot spawn it: {exc!r}") from exc
         finally:
             child.close()
+        self._starting = process
+        if self._stopping:  # stopped while it spawned
+            process.kill()
         try:
             message = parent.recv()
         except EOFError:
             message = ("failed", f"it exited while loading the model ({MAIN_GUARD_HINT})")
+        self._starting = None
         with self._lock:
             self._changed.notify_all()
             if message[0] == "loaded" and not self._stopping:
@@ -287,12 +292,14 @@ class ProcessRunner:
                 self._drop_worker(0.0)
 
     def stop(self) -> None:
-        """(blocking) Let the step in flight end, then stop the worker and reap it. A
-        step still in flight after `STOP_TIMEOUT` (a hung worker) has its worker killed:
-        the step then reads the end of the pipe, fails with `WorkerDied` and drops the
-        worker itself. Its pipe is not closed from here, as the step is waiting on it
-        (a socket closed under the event loop's wait never wakes it)."""
+        """(blocking) Kill a worker still starting (its start thread reads the end of the
+        pipe and reaps it); let the step in flight end, then stop the ready worker and
+        reap it. A step still in flight after `STOP_TIMEOUT` (a hung worker) has its
+        worker killed: the step then fails with `WorkerDied` and drops it. Its pipe is
+        not closed from here: a socket closed under the event loop's wait never wakes it."""
         self._stopping = True
+        if (starting := self._starting) is not None:
+            starting.kill()
         if not self._lock.acquire(timeout=STOP_TIMEOUT):
             process = self._process  # the step holding the lock keeps it set
             if process is not None:

@@ -1,7 +1,8 @@
 """The model worker process (`worker="process"`): the same tokens as the in-thread
 runner, cancellation that frees blocks, a worker killed with SIGKILL (its step's
 requests fail with a clear error, nothing leaks, a new worker serves the next request),
-an engine closed mid-step (the worker is stopped and reaped), and the engine's own copy
+an engine closed mid-step (the worker is stopped and reaped) or while its worker
+starts (the worker is killed, not waited for), and the engine's own copy
 of the model (it serves until the worker is ready, then releases its weights; it is
 loaded again only if no worker can start), and the cores a worker keeps to. Runs on
 asyncio and trio."""
@@ -9,12 +10,14 @@ asyncio and trio."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -307,6 +310,25 @@ async def test_closing_the_engine_mid_step_stops_the_worker():
     for job in jobs:
         info = job.info()
         assert info.finish_reason == "cancelled" and info.cancel_reason == "shutdown"
+
+
+async def test_closing_the_engine_while_its_worker_starts_kills_the_worker():
+    """A worker still loading or warming up (here: stopped, as if its warm-up took
+    minutes) holds nothing yet: closing the engine kills it rather than waiting for it
+    to be ready, and the engine, which served on its own copy, closes clean."""
+    async with open_engine(worker="process") as engine:
+        await wait_for(lambda: _starting_worker() is not None, timeout=BOOT, what="a worker")
+        starting = _starting_worker()
+        os.kill(starting.pid, signal.SIGSTOP)  # never ready from here on
+        answer = await engine.generate("served meanwhile", max_tokens=4, ignore_eos=True)
+        assert len(answer.token_ids) == 4 and engine.stats()["worker_pid"] == 0
+    assert gone(starting.pid) and starting.exitcode == -signal.SIGKILL
+
+
+def _starting_worker() -> Any:
+    """This process's model worker child, if one is alive."""
+    workers = [p for p in multiprocessing.active_children() if p.name == "kvscope-model-worker"]
+    return workers[0] if workers else None
 
 
 HUNG_WORKER_SCRIPT = """
