@@ -47,7 +47,7 @@ async def generate() -> Any:
         parent=body.parent,
         timeout=body.timeout,
         owner=current_owner(),
-        **body.sampling(),
+        **body.to_sampling_params(),
     )
     if not body.stream:
         return {"id": job.id, "status": job.info().status}, 202, {"Location": f"/requests/{job.id}"}

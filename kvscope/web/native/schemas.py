@@ -6,11 +6,14 @@ quart-schema, so `/openapi.json` describes exactly what is validated. Inputs are
 the field. No range is written here: each numeric field's constraints are built from
 the `Bound` that `kvscope.params` states once (`sampling_field`, `bounded_field`), the
 one the engine checks again when it builds `SamplingParams`. What depends on the model
-(the context, the vocabulary) is checked by the engine or the route.
+(the context, the vocabulary) is checked by the engine or the route. Every protocol's
+body turns its fields into `SamplingParams` kwargs through `sampling_kwargs`: its field
+declarations are its only list of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,6 +45,31 @@ def sampling_field(name: str, default: Any = _DEFAULT, **kwargs: Any) -> Any:
     return bounded_field(
         bound, SamplingParams.default(name) if default is _DEFAULT else default, **kwargs
     )
+
+
+def sampling_kwargs(
+    body: BaseModel,
+    *,
+    names: Mapping[str, str] | None = None,
+    only_if_set: Collection[str] = (),
+    derived: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `SamplingParams` keyword arguments of `body`, read from its declared fields:
+    each `SamplingParams` field the body declares passes through by name (the body's
+    own name for it in `names`, where it spells it otherwise); one in `only_if_set`
+    only if the client set it (so the engine fills it, from the checkpoint's generation
+    defaults, otherwise); `derived` (what the body computes from other fields) takes
+    the place of what was read; a None value is "not given" and is left out."""
+    names = names or {}
+    declared = type(body).model_fields
+    given = body.model_fields_set
+    values: dict[str, Any] = {}
+    for name in SamplingParams.fields():
+        field = names.get(name, name)
+        if field in declared and (name not in only_if_set or field in given):
+            values[name] = getattr(body, field)
+    values.update(derived or {})
+    return {name: value for name, value in values.items() if value is not None}
 
 
 class Strict(BaseModel):
@@ -101,12 +129,10 @@ class Sampling(Strict):
         None, description="the LoRA adapter to run with, by its name (`--lora-modules`)"
     )
 
-    def sampling(self) -> dict[str, Any]:
+    def to_sampling_params(self) -> dict[str, Any]:
         """The `SamplingParams` keyword arguments the client gave (a field it left out
         takes the checkpoint's generation default, then `SamplingParams`' own)."""
-        values = ((name, getattr(self, name)) for name in SAMPLING_FIELDS)
-        given = self.model_fields_set
-        return {name: value for name, value in values if name in given and value is not None}
+        return sampling_kwargs(self, only_if_set=SamplingParams.fields())
 
 
 #: The `SamplingParams` fields the native API takes: all of them (tests/web/test_rules.py).

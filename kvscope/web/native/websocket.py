@@ -93,7 +93,7 @@ class _Connection:
             parent=body.parent,
             timeout=body.timeout,
             owner=self.owner,
-            **body.sampling(),
+            **body.to_sampling_params(),
         )
         self.current = job.id
         self.idle = anyio.Event()

@@ -133,12 +133,12 @@ class ChatBody(ChatTemplateOptions, OpenAISampling):
         """What `tools` and `tool_choice` ask (a 400 naming the field if they disagree)."""
         return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        params = super().sampling(max_tokens)
+    def derived_sampling(self, max_tokens: int) -> dict[str, Any]:
+        derived = super().derived_sampling(max_tokens)
         guide = self.tool_plan.guide()
         if guide is not None:  # a required or named tool call: its arguments' schema
-            params["guided_json"] = guide
-        return params
+            derived["guided_json"] = guide
+        return derived
 
 
 def _echoed(messages: list[ChatMessage]) -> str | None:

@@ -95,7 +95,7 @@ async def start(
     overflow the context included (`body.limit`)."""
     jobs: list[Job] = []
     max_tokens, context = body.limit
-    sampling = body.sampling(max_tokens) | {"lora": adapter_of(ctx.engine, body.model)}
+    sampling = body.to_sampling_params(max_tokens) | {"lora": adapter_of(ctx.engine, body.model)}
     overrides = tools.sampling_overrides() if tools is not None else {}
     try:
         for ids in prompts:

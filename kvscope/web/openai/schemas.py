@@ -31,18 +31,12 @@ from kvscope.params import (
     SamplingParams,
 )
 
-from ..native.schemas import bounded_field, sampling_field
+from ..native.schemas import bounded_field, sampling_field, sampling_kwargs
 from .options import ResponseFormat, StreamOptions, StructuredOutputs
 
 #: OpenAI's limits, narrower than what `SamplingParams` allows.
 MAX_N = 16
 MAX_TEMPERATURE = 2.0
-
-
-def set_by_client(body: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
-    """The fields of `names` that the client set in `body` (a field with a checkpoint
-    generation default goes only then, so the engine fills it otherwise)."""
-    return {name: getattr(body, name) for name in names if name in body.model_fields_set}
 
 
 #: The fields beam search would not apply (vLLM drops them): refused with it unless
@@ -181,43 +175,35 @@ class OpenAISampling(BaseModel):
         """The body's names of the engine's fields where they differ (`ENGINE_NAMES`)."""
         return dict(self.ENGINE_NAMES)
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i).
-        A field with a checkpoint generation default (`generation_config.json`) goes only
-        if the client set it, so the engine fills it from the checkpoint otherwise, as
-        vLLM and the native routes do."""
-        params: dict[str, Any] = {
+    def to_sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        """`SamplingParams` kwargs (for sample 0; the engine seeds sample i with seed + i):
+        each declared `SamplingParams` field by name (`engine_names` where the body spells
+        it otherwise), then what `derived_sampling` computes. A field with a checkpoint
+        generation default (`generation_config.json`) goes only if the client set it, so
+        the engine fills it from the checkpoint otherwise, as vLLM and the native routes
+        do."""
+        return sampling_kwargs(
+            self,
+            names=self.engine_names(),
+            only_if_set=GENERATION_DEFAULTED,
+            derived=self.derived_sampling(max_tokens),
+        )
+
+    def derived_sampling(self, max_tokens: int) -> dict[str, Any]:
+        """The `SamplingParams` kwargs computed from more than their own field (None: not
+        given): the length the route settled, the log-probabilities asked, the guide of
+        `response_format` or `structured_outputs`."""
+        derived: dict[str, Any] = {
             "max_tokens": max_tokens,
-            **set_by_client(self, GENERATION_DEFAULTED),
-            "ignore_eos": self.ignore_eos,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "min_tokens": self.min_tokens,
             "logprobs": self.logprobs_wanted,
             "prompt_logprobs": self.prompt_logprobs_wanted,
-        }
-        optional = {
-            "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids,
-            "allowed_token_ids": self.allowed_token_ids,
-            "bad_words": self.bad_words,
-            "seed": self.seed,
-            "logit_bias": self.logit_bias,
             "logprob_token_ids": self.logprob_token_ids or None,  # [] asks for none (vLLM's)
-            "guided_json": self.guided_json,
-            "guided_regex": self.guided_regex,
-            "guided_choice": self.guided_choice,
-            "guided_grammar": self.guided_grammar,
         }
         if self.response_format is not None:
-            optional["guided_json"] = self.response_format.guide_schema()
-        params.update({k: v for k, v in optional.items() if v is not None})
+            derived["guided_json"] = self.response_format.guide_schema()
         if self.structured_outputs is not None:
-            params.update(self.structured_outputs.guides())
-        return params
+            derived.update(self.structured_outputs.guides())
+        return derived
 
     def beam_search_refusal(self) -> tuple[str, str] | None:
         """With `use_beam_search`, why the body cannot be searched and the field to

@@ -59,9 +59,6 @@ from .view import ResponseView
 
 blueprint = Blueprint("responses", __name__, url_prefix="/v1")
 
-#: The body's names of the engine's fields where they differ.
-RESPONSES_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens", "prompt": "input"}
-
 #: Where the app keeps its `ResponseStore`.
 STORE = "kvscope.responses"
 
@@ -140,7 +137,7 @@ async def _submit(
     (admission's rule). A refusal names the field as the body does."""
     asked = body.max_output_tokens
     context: ContextPolicy = "cap" if asked is None else "refuse"
-    sampling = body.sampling(asked or TO_THE_CONTEXT_END)
+    sampling = body.to_sampling_params(asked or TO_THE_CONTEXT_END)
     sampling |= {"lora": adapter_of(ctx.engine, body.model)} | plan.sampling_overrides()
     try:
         return await ctx.engine.submit(
@@ -148,7 +145,7 @@ async def _submit(
         )
     except InvalidRequest as exc:
         schema_field = "text" if body.text_format.type != "text" else "tools"
-        raise await refused(ctx.engine, exc, body_names(schema_field, RESPONSES_NAMES)) from None
+        raise await refused(ctx.engine, exc, body_names(schema_field, body.ENGINE_NAMES)) from None
 
 
 async def _rendered(

@@ -18,15 +18,15 @@ kvscope's extensions, as on the other routes.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
 from kvscope.params import GENERATION_DEFAULTED, PRIORITY, SamplingParams
 
 from ...errors import ApiError
-from ...native.schemas import bounded_field, sampling_field
-from ..schemas import MAX_TEMPERATURE, set_by_client
+from ...native.schemas import bounded_field, sampling_field, sampling_kwargs
+from ..schemas import MAX_TEMPERATURE
 from ..tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef, ToolPlan
 
 
@@ -133,6 +133,12 @@ class ResponsesBody(BaseModel):
     """`POST /v1/responses`."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    #: The body's names of `SamplingParams` fields it spells otherwise (its 400s name them).
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {
+        "logprobs": "top_logprobs",
+        "max_tokens": "max_output_tokens",
+        "prompt": "input",
+    }
 
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(description="text, or message and tool items")
@@ -205,27 +211,22 @@ class ResponsesBody(BaseModel):
     def text_format(self) -> TextFormat:
         return self.text.format if self.text is not None else PLAIN_TEXT
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """`SamplingParams` kwargs. A field with a checkpoint generation default goes
+    def to_sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        """`SamplingParams` kwargs: each declared `SamplingParams` field by name, then the
+        length the route settled, the log-probabilities asked and the guide of
+        `text.format` or the tools. A field with a checkpoint generation default goes
         only if the client set it, as on the other routes."""
-        params: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            **set_by_client(self, GENERATION_DEFAULTED),
-            "repetition_penalty": self.repetition_penalty,
-            "ignore_eos": self.ignore_eos,
-            "logprobs": self.logprobs_wanted,
-        }
-        if self.seed is not None:
-            params["seed"] = self.seed
         fmt = self.text_format
-        if fmt.type == "json_object":
-            params["guided_json"] = {"type": "object"}
-        elif fmt.type == "json_schema":
-            params["guided_json"] = fmt.schema_
-        guide = self.tool_plan.guide()
-        if guide is not None:  # a required or named tool call: its arguments' schema
-            params["guided_json"] = guide
-        return params
+        # A required or named tool call's arguments' schema, or the format's.
+        guide: str | dict[str, Any] | None = self.tool_plan.guide()
+        if guide is None and fmt.type == "json_object":
+            guide = {"type": "object"}
+        elif guide is None and fmt.type == "json_schema":
+            guide = fmt.schema_
+        derived = {"max_tokens": max_tokens, "logprobs": self.logprobs_wanted, "guided_json": guide}
+        return sampling_kwargs(
+            self, names=self.ENGINE_NAMES, only_if_set=GENERATION_DEFAULTED, derived=derived
+        )
 
 
 def _text(content: Content) -> str:
