@@ -94,7 +94,7 @@ def test_an_object_holds_only_the_keys_its_schema_names(
 ) -> None:
     """vLLM's default (xgrammar's strict mode): a schema that lists properties and says
     nothing of others allows no others, nested objects too; `additionalProperties`
-    given is kept."""
+    given is kept. A `response_format` of text leaves a `guided_json` beside it."""
     _, client = served
     inner = {"type": "object", "properties": {"x": {"type": "integer"}}}
     schema = {"type": "object", "properties": {"result": {"type": "integer"}, "at": inner}}
@@ -110,6 +110,15 @@ def test_an_object_holds_only_the_keys_its_schema_names(
         answer = json.loads(out.choices[0].message.content)
         assert set(answer) <= {"result", "at"}
         assert set(answer.get("at", {})) <= {"x"}
+    beside_text = client.chat.completions.create(
+        model="bundled",
+        messages=MESSAGES,
+        max_tokens=120,
+        seed=1,
+        response_format={"type": "text"},
+        extra_body={"guided_json": SCHEMA},
+    )
+    jsonschema.validate(json.loads(beside_text.choices[0].message.content), SCHEMA)
     closed = closed_objects(json.dumps({"$defs": {"a": inner}, "items": [inner], **inner}))
     assert json.loads(closed)["additionalProperties"] is False
     assert json.loads(closed)["$defs"]["a"]["additionalProperties"] is False

@@ -199,8 +199,9 @@ class OpenAISampling(BaseModel):
             "prompt_logprobs": self.prompt_logprobs_wanted,
             "logprob_token_ids": self.logprob_token_ids or None,  # [] asks for none (vLLM's)
         }
-        if self.response_format is not None:
-            derived["guided_json"] = self.response_format.guide_schema()
+        schema = self.response_format.guide_schema() if self.response_format else None
+        if schema is not None:  # a text format leaves a guided_json given beside it
+            derived["guided_json"] = schema
         if self.structured_outputs is not None:
             derived.update(self.structured_outputs.guides())
         return derived
