@@ -109,6 +109,11 @@ def test_the_engine_owns_the_context_rule_on_every_openai_route(
             assert answer.status_code == 400, (body, answer.text)
             assert answer.json()["error"]["param"] == param, (body, answer.text)
             assert "maximum context length is 64" in answer.json()["error"]["message"]
+        # A batch whose last prompt does not fit starts none of them.
+        batch = {"model": MODEL, "prompt": ["hi", "x" * 59], "max_tokens": 10}
+        answer = http.post("/v1/completions", json=batch)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_tokens"
+        assert live.stats()["cancelled"] == 0 and live.stats()["finished"] == 0
         # "x" * 59 is 60 tokens with the BOS: the default 16 is capped to the 4 that fit.
         body = {"model": MODEL, "prompt": "x" * 59, "temperature": 0, "ignore_eos": True}
         assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 4

@@ -98,6 +98,8 @@ async def start(
     sampling = body.to_sampling_params(max_tokens) | {"lora": adapter_of(ctx.engine, body.model)}
     overrides = tools.sampling_overrides() if tools is not None else {}
     try:
+        for ids in prompts:  # every prompt's context checked before any starts
+            ctx.engine.fit(len(ids), max_tokens, context)
         for ids in prompts:
             jobs += await ctx.engine.submit_samples(
                 ids,
