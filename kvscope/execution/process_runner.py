@@ -292,14 +292,14 @@ class ProcessRunner:
                 self._drop_worker(0.0)
 
     def stop(self) -> None:
-        """(blocking) Kill a worker still starting (its start thread reads the end of the
-        pipe and reaps it); let the step in flight end, then stop the ready worker and
-        reap it. A step still in flight after `STOP_TIMEOUT` (a hung worker) has its
-        worker killed: the step then fails with `WorkerDied` and drops it. Its pipe is
-        not closed from here: a socket closed under the event loop's wait never wakes it."""
+        """(blocking) Kill and reap a worker still starting; let the step in flight end,
+        then stop the ready worker and reap it. A step still in flight after
+        `STOP_TIMEOUT` (a hung worker) has its worker killed: the step then fails with
+        `WorkerDied` and drops it. Its pipe is not closed from here: a socket closed
+        under the event loop's wait never wakes it."""
         self._stopping = True
         if (starting := self._starting) is not None:
-            starting.kill()
+            _reap(starting, 0.0)  # killed; its start thread then reads the pipe's end
         if not self._lock.acquire(timeout=STOP_TIMEOUT):
             process = self._process  # the step holding the lock keeps it set
             if process is not None:
